@@ -1,0 +1,22 @@
+"""RMSNorm: y = weight * (x / sqrt(mean(x^2) + eps)).
+
+The reference follows HF's order of operations exactly (normalise in fp32, cast back, then scale), so
+bf16 checkpoints round the same way as `transformers`. For fp32 inputs the order makes no difference
+and PyTorch's fused `F.rms_norm` is the fast path.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return rms_norm_reference(x, weight, eps)

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up (see setup.sh) and runs the whole test suite offline, on CPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec .venv/bin/python -m pytest "$@"

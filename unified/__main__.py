@@ -1,0 +1,3 @@
+from unified.cli import main
+
+main()

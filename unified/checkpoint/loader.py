@@ -1,0 +1,109 @@
+"""Loading an HF checkpoint folder into our model, and exporting our model back to HF layout.
+
+The model is built directly on the target device with uninitialised storage, then every parameter is
+filled from the checkpoint; a tensor-parallel rank reads only its slice of each tensor. Nothing is
+left uninitialised: a parameter the checkpoint does not cover is an error.
+"""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from unified.checkpoint.hf_config import model_config_from_hf, read_hf_config
+from unified.checkpoint.hf_names import Param, parameter_map
+from unified.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, save_safetensors
+from unified.model.config import ModelConfig
+from unified.model.transformer import CausalLM
+
+# Files that travel with the weights: tokenizer, chat template, generation defaults.
+SIDECAR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    config: ModelConfig
+    hf_config: object  # the transformers config the checkpoint was read with
+    path: Path
+
+
+def _tp_rank_size() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _read_part(ckpt: SafetensorsCheckpoint, name: str, split: int | None, rank: int, size: int) -> torch.Tensor:
+    if split is None or size == 1:
+        return ckpt.get(name)
+    full = ckpt.shape(name)
+    if full[split] % size:
+        raise CheckpointError(f"tensor {name!r} ({ckpt.file_of(name).name}) has {full[split]} rows along "
+                              f"dimension {split}, which tensor parallel size {size} does not divide")
+    chunk = full[split] // size
+    view = ckpt._open(ckpt.file_of(name)).get_slice(name)
+    return view[rank * chunk:(rank + 1) * chunk] if split == 0 else view[:, rank * chunk:(rank + 1) * chunk]
+
+
+def _assemble(ckpt: SafetensorsCheckpoint, param: Param, rank: int, size: int) -> torch.Tensor:
+    rows = [torch.cat([_read_part(ckpt, n, param.split, rank, size) for n in row], dim=param.cat_dim)
+            if len(row) > 1 else _read_part(ckpt, row[0], param.split, rank, size) for row in param.rows]
+    return torch.stack(rows) if param.stacked else rows[0]
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    path = Path(path)
+    hf = read_hf_config(path)
+    config = model_config_from_hf(hf)
+    ckpt = SafetensorsCheckpoint(path)
+    with torch.device(device):
+        model = CausalLM(config, dtype)
+    rank, size = _tp_rank_size()
+    targets = dict(model.named_parameters()) | dict(model.named_buffers())
+    filled = set()
+    with torch.no_grad():
+        for param in parameter_map(config):
+            tensor = _assemble(ckpt, param, rank, size)
+            target = targets[param.ours]
+            if tuple(tensor.shape) != tuple(target.shape):
+                parts = ", ".join(f"{n} {ckpt.shape(n)} in {ckpt.file_of(n).name}" for row in param.rows[:1] for n in row)
+                raise CheckpointError(f"shape mismatch: {parts} give {tuple(tensor.shape)} but the model built "
+                                      f"from {path / 'config.json'} expects {tuple(target.shape)} for {param.ours}; "
+                                      f"config.json and the weights disagree")
+            target.copy_(tensor)
+            filled.add(param.ours)
+    unfilled = [n for n in dict(model.named_parameters()) if n not in filled]
+    assert not unfilled, f"parameters not covered by the HF name map: {unfilled}"
+    model.eval()
+    return LoadedModel(model, config, hf, path)
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """Our parameters under HF names and layouts (tensor parallel size 1)."""
+    state = dict(model.named_parameters()) | dict(model.named_buffers())
+    out = {}
+    for param in parameter_map(model.config):
+        tensor = state[param.ours].detach()
+        rows = tensor.unbind(0) if param.stacked else [tensor]
+        for names, row in zip(param.rows, rows):
+            sizes = list(param.sizes) if param.sizes else [row.shape[param.cat_dim] // len(names)] * len(names)
+            for name, part in zip(names, row.split(sizes, dim=param.cat_dim)):
+                out[name] = part.contiguous().cpu()
+    return out
+
+
+def export_hf(loaded: LoadedModel, out_dir: str | Path, max_shard_bytes: int = 5 * 1024 ** 3) -> Path:
+    """Writes config.json, safetensors shards and the tokenizer files of the source checkpoint."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_safetensors(hf_state_dict(loaded.model), out_dir, max_shard_bytes)
+    loaded.hf_config.save_pretrained(out_dir)
+    for name in SIDECAR_FILES:
+        source = loaded.path / name
+        if source.is_file() and source.resolve() != (out_dir / name).resolve():
+            shutil.copy2(source, out_dir / name)
+    return out_dir

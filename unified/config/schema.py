@@ -1,0 +1,67 @@
+"""Typed schemas for every run. Hydra validates the composed config against them at start-up, so a
+wrong key or type fails with a message naming it.
+
+Top-level plain values (`model=`, `data=`, `input=`, `output=`, `prompt=`, `host=`, `port=`,
+`steps=`) are the command-line contract shared by all recipes; component groups (`device`,
+`parallel`, ...) are named so they never collide with them. Secrets are never fields here: code that
+needs one reads it from the environment variable a field names.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class DeviceConfig:
+    name: str = "auto"  # auto | cpu | cuda | musa
+    dtype: str = "auto"  # auto (fp32 on cpu, bf16 on accelerators) | float32 | bfloat16 | float16
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    pipeline: int = 1
+    expert: int = 1
+
+
+@dataclass
+class GenerationConfig:
+    max_new_tokens: int = 128
+    system_prompt: Optional[str] = None
+
+
+@dataclass
+class ParityCheckConfig:
+    min_cosine: float = 0.99999
+    max_abs_diff: float = 1e-3
+    num_tokens: int = 64  # random tokens compared when the model has no tokenizer
+
+
+@dataclass
+class RunConfig:
+    job: str = MISSING  # which job the recipe runs
+    model: str = "smollm2"  # a checkpoint folder or a built-in model name
+    data: Optional[str] = None
+    input: Optional[str] = None
+    output: Optional[str] = None
+    prompt: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    steps: Optional[int] = None
+    seed: int = 0
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    check: ParityCheckConfig = field(default_factory=ParityCheckConfig)
+
+
+def register_schemas() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    store.store(name="run_schema", node=RunConfig)
+    store.store(group="device", name="device_schema", node=DeviceConfig)
+    store.store(group="parallel", name="parallel_schema", node=ParallelConfig)

@@ -1,0 +1,1 @@
+"""What a recipe runs: each module has `run(cfg)` taking the composed, validated RunConfig."""

@@ -1,0 +1,37 @@
+"""`unified recipe=check_parity model=<dir>`: prints per-layer and final-logit cosine similarity between
+our model and `transformers` on the same checkpoint and exits non-zero below the thresholds."""
+from __future__ import annotations
+
+import torch
+
+from unified.checkpoint import load_model
+from unified.checkpoint.builtin import resolve_model
+from unified.jobs.parity import compare, reference_model
+from unified.runtime import start_runtime
+
+
+def _input_ids(path, prompt: str | None, num_tokens: int, vocab_size: int) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError):
+        tokenizer = None
+    if tokenizer is not None and prompt:
+        return torch.tensor([tokenizer(prompt)["input_ids"]])
+    return torch.randint(0, vocab_size, (1, num_tokens), generator=torch.Generator().manual_seed(0))
+
+
+def run(cfg) -> None:
+    runtime = start_runtime(cfg.device, cfg.parallel, cfg.seed)
+    path = resolve_model(cfg.model)
+    ours = load_model(path, runtime.device, runtime.dtype)
+    reference = reference_model(path, runtime.dtype).to(runtime.device)
+    ids = _input_ids(path, cfg.prompt, cfg.check.num_tokens, ours.config.vocab_size).to(runtime.device)
+    report = compare(ours.model, reference, ids)
+    print(f"parity of {path} ({ours.config.family}, {ids.shape[1]} tokens, {runtime.dtype}) against transformers:")
+    print(report.table())
+    if not report.passes(cfg.check.min_cosine, cfg.check.max_abs_diff):
+        print(f"FAILED: need cosine >= {cfg.check.min_cosine} everywhere and max |diff| <= {cfg.check.max_abs_diff}")
+        raise SystemExit(1)
+    print(f"PASSED (cosine >= {cfg.check.min_cosine}, max |diff| <= {cfg.check.max_abs_diff})")

@@ -1,0 +1,64 @@
+"""Accuracy consistency check: our model against the `transformers` reference on the same weights.
+
+Both models read the same checkpoint folder and run the same tokens; we compare every decoder layer's
+output and the final logits by cosine similarity and max absolute difference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class ParityReport:
+    layer_cosine: list[float]
+    logits_cosine: float
+    logits_max_abs_diff: float
+
+    def passes(self, min_cosine: float, max_abs_diff: float) -> bool:
+        return (self.logits_cosine >= min_cosine and self.logits_max_abs_diff <= max_abs_diff
+                and all(c >= min_cosine for c in self.layer_cosine))
+
+    def table(self) -> str:
+        lines = [f"{'output':<12}{'cosine':>12}"]
+        lines += [f"layer {i:<6}{c:>12.7f}" for i, c in enumerate(self.layer_cosine)]
+        lines.append(f"{'logits':<12}{self.logits_cosine:>12.7f}   max |diff| {self.logits_max_abs_diff:.3e}")
+        return "\n".join(lines)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def reference_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager").eval()
+
+
+def _decoder_layers(hf_model):
+    return hf_model.model.layers
+
+
+@torch.inference_mode()
+def compare(ours, reference, input_ids: torch.Tensor) -> ParityReport:
+    """input_ids: [B, S] token ids; both models in eval mode on the same device."""
+    captured: list[torch.Tensor] = []
+    hooks = [layer.register_forward_hook(lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out))
+             for layer in _decoder_layers(reference)]
+    try:
+        ref_logits = reference(input_ids=input_ids).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    ours_layers: list[torch.Tensor] = []
+    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+    our_logits = ours.logits(ours(input_ids, positions, layer_outputs=ours_layers))
+    return ParityReport(
+        layer_cosine=[cosine(a, b) for a, b in zip(ours_layers, captured)],
+        logits_cosine=cosine(our_logits, ref_logits),
+        logits_max_abs_diff=(our_logits.float() - ref_logits.float()).abs().max().item(),
+    )

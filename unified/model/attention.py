@@ -1,0 +1,77 @@
+"""Grouped-query attention (Llama, Qwen2/3, Mistral, Mixtral, Qwen-MoE) and the shared attend step.
+
+q, k, v come from one fused column-parallel projection laid out [q | k | v] per tensor-parallel
+rank, so each rank holds whole heads. Qwen3's qk-norm normalises each head before RoPE.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unified.model.config import ModelConfig
+from unified.model.forward_context import get_forward_context
+from unified.model.norm import RMSNorm
+from unified.model.parallel_layers import ColumnLinear, RowLinear, megatron_config
+from unified.model.rope import RotaryEmbedding
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     sliding_window: int | None) -> torch.Tensor:
+    """q: [B, S, Hq, D], k/v: [B, S, Hkv, D*] -> [B, S, Hq, Dv]; causal, optionally windowed."""
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    seq = q.shape[-2]
+    if sliding_window is not None and sliding_window < seq:
+        pos = torch.arange(seq, device=q.device)
+        distance = pos[:, None] - pos[None, :]
+        mask = (distance >= 0) & (distance < sliding_window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+    return out.transpose(1, 2)
+
+
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+           sliding_window: int | None) -> torch.Tensor:
+    ctx = get_forward_context()
+    if ctx is None:
+        return causal_attention(q, k, v, scale, sliding_window)
+    return ctx.attend(layer, q, k, v, scale, sliding_window)
+
+
+class GQAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        from megatron.core import parallel_state
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        mp = megatron_config(dtype)
+        self.layer = layer
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_heads // tp
+        self.num_kv_heads = max(config.num_kv_heads // tp, 1)
+        self.scale = config.head_dim ** -0.5
+        self.sliding_window = config.sliding_window_of(layer)
+        qkv_out = (config.num_heads + 2 * max(config.num_kv_heads, tp)) * config.head_dim
+        self.qkv_proj = ColumnLinear(config.hidden_size, qkv_out, mp, bias=config.qkv_bias)
+        self.o_proj = RowLinear(config.num_heads * config.head_dim, config.hidden_size, mp, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(
+            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
+        q = q.view(b, s, self.num_heads, self.head_dim)
+        k = k.view(b, s, self.num_kv_heads, self.head_dim)
+        v = v.view(b, s, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        out = attend(self.layer, q, k, v, self.scale, self.sliding_window)  # [B, S, Hq, D]
+        return self.o_proj(out.reshape(b, s, -1))

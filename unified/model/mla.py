@@ -1,0 +1,63 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2).
+
+Keys and values are compressed into one latent of `kv_lora_rank` per token plus a single shared RoPE
+key of `qk_rope_head_dim`; queries optionally go through their own low-rank bottleneck. The latent
+and the shared rope key are what an inference cache stores; here they are expanded to per-head K/V.
+Down-projections are replicated across tensor-parallel ranks (they are small); up-projections split
+by heads.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unified.model.attention import attend
+from unified.model.config import ModelConfig
+from unified.model.norm import RMSNorm
+from unified.model.parallel_layers import ColumnLinear, RowLinear, megatron_config
+from unified.model.rope import RotaryEmbedding
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
+        super().__init__()
+        from megatron.core import parallel_state
+
+        mla = config.mla
+        assert mla is not None
+        mp = megatron_config(dtype)
+        self.layer = layer
+        self.num_heads = config.num_heads // parallel_state.get_tensor_model_parallel_world_size()
+        self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        self.kv_lora_rank = mla.kv_lora_rank
+        qk_dim = self.nope_dim + self.rope_dim
+        self.scale = mla.softmax_scale if mla.softmax_scale is not None else qk_dim ** -0.5
+        if mla.q_lora_rank is None:
+            self.q_a_proj = self.q_a_norm = None
+            self.q_proj = ColumnLinear(config.hidden_size, config.num_heads * qk_dim, mp)
+        else:
+            self.q_a_proj = nn.Linear(config.hidden_size, mla.q_lora_rank, bias=config.qkv_bias, dtype=dtype)
+            self.q_a_norm = RMSNorm(mla.q_lora_rank, config.rms_norm_eps)
+            self.q_proj = ColumnLinear(mla.q_lora_rank, config.num_heads * qk_dim, mp)
+        self.kv_a_proj = nn.Linear(config.hidden_size, mla.kv_lora_rank + mla.qk_rope_head_dim,
+                                   bias=config.qkv_bias, dtype=dtype)
+        self.kv_a_norm = RMSNorm(mla.kv_lora_rank, config.rms_norm_eps)
+        self.kv_b_proj = ColumnLinear(mla.kv_lora_rank, config.num_heads * (self.nope_dim + self.v_dim), mp)
+        self.o_proj = RowLinear(config.num_heads * self.v_dim, config.hidden_size, mp, bias=config.o_bias)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q_in = x if self.q_a_proj is None else self.q_a_norm(self.q_a_proj(x))
+        q = self.q_proj(q_in).view(b, s, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+
+        latent, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_norm(latent)).view(b, s, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+
+        q_rope = rope(q_rope, cos, sin)
+        k_rope = rope(k_rope.view(b, s, 1, self.rope_dim), cos, sin)  # one rope key shared by all heads
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(b, s, self.num_heads, self.rope_dim)), dim=-1)
+        out = attend(self.layer, q, k, v, self.scale, None)  # [B, S, H, Dv]
+        return self.o_proj(out.reshape(b, s, -1))

@@ -1,0 +1,105 @@
+"""Mixture-of-experts block: router, routed experts, optional shared expert.
+
+Routing covers the three families we import:
+  - softmax over all experts, top-k, optional renormalisation (Mixtral, Qwen-MoE);
+  - sigmoid scores plus an aux-loss-free correction bias used only for choosing experts, group-limited
+    top-k (pick `topk_groups` of `num_groups` groups by their top-2 score sum), renormalisation and a
+    routed scaling factor (DeepSeek-V3, Kimi-K2).
+Experts are stored stacked ([E, 2I, H] and [E, H, I]) so expert parallelism can later hand each rank
+a contiguous slice; tokens are sorted by expert and each expert runs one matmul over its tokens.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unified.model.config import ModelConfig, MoEConfig
+from unified.model.mlp import GatedMLP, activation
+
+
+class Router(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype):
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=dtype))
+        if moe.score_correction_bias:
+            self.register_buffer("score_bias", torch.zeros(moe.num_experts, dtype=torch.float32))
+        else:
+            self.score_bias = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, H] -> (weights [T, k], expert ids [T, k])."""
+        moe = self.moe
+        logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
+        if moe.scoring == "softmax":
+            scores = logits.softmax(dim=-1)
+        elif moe.scoring == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            raise ValueError(f"unknown MoE scoring function {moe.scoring!r}; expected 'softmax' or 'sigmoid'")
+        choice = scores if self.score_bias is None else scores + self.score_bias
+        if moe.num_groups > 1:
+            grouped = choice.view(-1, moe.num_groups, moe.num_experts // moe.num_groups)  # [T, G, E/G]
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(moe.topk_groups, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
+        ids = choice.topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, ids
+
+
+class Experts(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoEConfig, hidden_act: str, dtype: torch.dtype):
+        super().__init__()
+        self.num_experts = moe.num_experts
+        inter = moe.expert_intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, hidden_size, dtype=dtype))
+        self.down = nn.Parameter(torch.empty(moe.num_experts, hidden_size, inter, dtype=dtype))
+        self.act = activation(hidden_act)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [T, H], weights/ids: [T, k] -> [T, H]."""
+        top_k = ids.shape[-1]
+        flat_ids = ids.flatten()  # [T*k]
+        order = flat_ids.argsort(stable=True)
+        token_of = order // top_k
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            rows = token_of[start:start + count]
+            gate, up = torch.nn.functional.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
+            y = torch.nn.functional.linear(self.act(gate) * up, self.down[expert])
+            y = y * weights.flatten()[order[start:start + count], None].to(y.dtype)
+            out.index_add_(0, rows, y)
+            start += count
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.router = Router(config.hidden_size, moe, dtype)
+        self.experts = Experts(config.hidden_size, moe, config.hidden_act, dtype)
+        self.shared = (GatedMLP(config.hidden_size, moe.shared_intermediate_size, config.hidden_act, dtype)
+                       if moe.shared_intermediate_size else None)
+        self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False, dtype=dtype) if moe.shared_expert_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [T, H]
+        weights, ids = self.router(flat)
+        out = self.experts(flat, weights, ids)
+        if self.shared is not None:
+            shared = self.shared(flat)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+            out = out + shared
+        return out.view(shape)

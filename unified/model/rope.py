@@ -1,0 +1,55 @@
+"""Rotary position embeddings.
+
+Frequencies for every scaling scheme HF checkpoints use (default, linear, dynamic, yarn, llama3,
+longrope) come from `transformers`' own RoPE initialisers, so a checkpoint's `rope_parameters` mean
+exactly what they mean there. Two layouts: "half" rotates (x[:d/2], x[d/2:]) pairs (Llama, Qwen);
+"interleaved" rotates (x0, x1), (x2, x3), ... (DeepSeek MLA) and returns the halves concatenated,
+which is what HF does and is equivalent for attention since q and k are permuted alike.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rope_frequencies(rope_parameters: dict, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Returns (inv_freq [head_dim/2 or less], attention_scaling) for a checkpoint's rope_parameters."""
+    params = dict(rope_parameters)
+    rope_type = params.get("rope_type", "default")
+    theta = float(params["rope_theta"])
+    if rope_type == "default":
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+        return inv_freq, 1.0
+    from transformers import PretrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = PretrainedConfig(head_dim=head_dim, hidden_size=head_dim, num_attention_heads=1,
+                                 max_position_embeddings=max_position_embeddings)
+    hf_config.rope_parameters = params
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    return inv_freq.float(), float(scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rope_parameters: dict, head_dim: int, max_position_embeddings: int, interleaved: bool = False):
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_frequencies(rope_parameters, head_dim, max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.interleaved = interleaved
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [..., S, D/2]
+        return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [B, S, heads, D]; cos, sin: [B, S, D/2]."""
+        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+        rotated = x.shape[-1] if cos.shape[-1] * 2 == x.shape[-1] else cos.shape[-1] * 2
+        x_rot, x_pass = x[..., :rotated], x[..., rotated:]
+        if self.interleaved:
+            x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        else:
+            x1, x2 = x_rot.chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
