@@ -55,13 +55,14 @@ def run_job(cfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # megatron-core warns at import that it falls back from CUDA-only libraries; that is expected here.
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     import hydra
     from omegaconf import OmegaConf
 
     from unified.checkpoint.builtin import cache_dir
     from unified.config import register_schemas
 
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     recipe, overrides = _split_argv(sys.argv[1:] if argv is None else argv)
     available = sorted(p.stem for p in RECIPES.glob("*.yaml"))
     if recipe not in available:
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     if not OmegaConf.has_resolver("unified_cache"):
         OmegaConf.register_new_resolver("unified_cache", lambda: str(cache_dir()))
     app = hydra.main(config_path=str(RECIPES), config_name=recipe, version_base="1.3")(run_job)
-    sys.argv = [sys.argv[0], f"hydra.searchpath=[file://{CONFIGS}]", *overrides]
+    sys.argv = [sys.argv[0], f"hydra.searchpath=[file://{CONFIGS}]", f"hydra.job.name={recipe}", *overrides]
     app()
 
 

@@ -100,7 +100,7 @@ def _moe(hf, family: str) -> MoEConfig:
 
 
 def model_config_from_hf(hf) -> ModelConfig:
-    family = hf.model_type
+    family = CONFIG_CLASS_OF.get(hf.model_type, hf.model_type)
     if getattr(hf, "mlp_bias", False):
         raise UnsupportedModelError("mlp_bias=True checkpoints are not supported")
     rope = _rope_parameters(hf)

@@ -17,8 +17,9 @@ def _input_ids(path, prompt: str | None, num_tokens: int, vocab_size: int) -> to
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError):
         tokenizer = None
-    if tokenizer is not None and prompt:
-        return torch.tensor([tokenizer(prompt)["input_ids"]])
+    ids = tokenizer(prompt)["input_ids"] if tokenizer is not None and prompt else []
+    if ids:
+        return torch.tensor([ids], dtype=torch.long)
     return torch.randint(0, vocab_size, (1, num_tokens), generator=torch.Generator().manual_seed(0))
 
 

@@ -1,7 +1,12 @@
 """megatron-core tensor-parallel layers, adapted to return a plain tensor.
 
 Megatron's linears return `(output, bias)` so that a fused kernel can add the bias later; our blocks
-always want the sum, so these thin subclasses return it. Parameters are allocated with
+always want the sum. Their forward also routes the matmul through a custom autograd function built
+for CUDA-only extras (async all-reduce, fused gradient accumulation) that computes
+`matmul(x, W.t())`; on CPU that costs a few percent more than `F.linear` for a 128-token prefill and
+1.7-3.5x more per one-token decode call (bench/forward.py prints both). So we keep
+megatron's parameters, sharding and autograd communication mappings (copy-to / reduce-from the
+tensor-parallel region) and do the matmul with `F.linear`. Parameters are allocated with
 `use_cpu_initialization`, which creates them on the current default device (the `torch.device`
 context), so one code path builds a model on cpu, cuda, musa or meta. Weights come from a checkpoint,
 so megatron's random initialisation is skipped unless asked for.
@@ -9,8 +14,19 @@ so megatron's random initialisation is skipped unless asked for.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+)
+
+
+def _tp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def megatron_config(dtype: torch.dtype, initialize: bool = False) -> ModelParallelConfig:
@@ -34,10 +50,12 @@ class ColumnLinear(ColumnParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, config: ModelParallelConfig, bias: bool = False):
         super().__init__(in_features, out_features, config=config, init_method=_normal_init, bias=bias,
-                         gather_output=False)
+                         gather_output=False, tp_group=_tp_group())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)[0]
+        if self.tp_group.size() > 1:
+            x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)  # backward: all-reduce grads
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowLinear(RowParallelLinear):
@@ -45,12 +63,15 @@ class RowLinear(RowParallelLinear):
 
     def __init__(self, in_features: int, out_features: int, config: ModelParallelConfig, bias: bool = False):
         super().__init__(in_features, out_features, config=config, init_method=_normal_init, bias=bias,
-                         input_is_parallel=True, skip_bias_add=False)
+                         input_is_parallel=True, skip_bias_add=False, tp_group=_tp_group())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x)[0]
+        y = F.linear(x, self.weight)
+        if self.tp_group.size() > 1:
+            y = reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
+        return y if self.bias is None else y + self.bias
 
 
 class VocabEmbedding(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, config: ModelParallelConfig):
-        super().__init__(vocab_size, hidden_size, init_method=_normal_init, config=config)
+        super().__init__(vocab_size, hidden_size, init_method=_normal_init, config=config, tp_group=_tp_group())

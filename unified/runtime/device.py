@@ -8,6 +8,8 @@ instead of calling torch.cuda.
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
 
 import torch
 
@@ -26,21 +28,23 @@ def _detect() -> str:
 
 def select_accelerator(name: str = "auto"):
     """Makes `name`'s accelerator DeepSpeed's current one and returns it."""
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
     if name not in DEVICES:
         raise UserError(f"device={name!r} is not a device we know; choose one of {', '.join(DEVICES)}")
     if name == "auto":
         name = _detect()
-    current = get_accelerator()
-    if current._name == name:
+    if name in ("cpu", "cuda") and "deepspeed" not in sys.modules:
+        os.environ.setdefault("DS_ACCELERATOR", name)  # DeepSpeed picks one at import; tell it ours
+    from deepspeed.accelerator import real_accelerator, set_accelerator
+
+    current = real_accelerator.ds_accelerator  # unset until someone asks; get_accelerator() would guess
+    if current is not None and current._name == name:
         return current
     if name == "cpu":
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator as accelerator_class
     elif name == "cuda":
         if not torch.cuda.is_available():
             raise UserError("device=cuda was chosen but torch sees no CUDA device (torch "
-                               f"{torch.__version__}); install a CUDA build of torch or choose device=cpu")
+                            f"{torch.__version__}); install a CUDA build of torch or choose device=cpu")
         from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator as accelerator_class
     else:
         from unified.runtime.musa_accelerator import MUSA_Accelerator as accelerator_class

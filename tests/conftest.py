@@ -1,0 +1,101 @@
+"""Shared fixtures: a one-process CPU runtime and tiny random-weight HF checkpoints of every family.
+
+The cache that holds the converted built-in model lives in this session's temp folder, so every run
+starts cold; CLI tests run in subprocesses that inherit it through UNIFIED_CACHE_DIR.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import pytest
+
+_session_cache = tempfile.mkdtemp(prefix="unified-test-cache-")
+os.environ["UNIFIED_CACHE_DIR"] = _session_cache
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
+         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+# Every family the model implements natively, with the features that distinguish it switched on.
+TINY_FAMILIES = {
+    "llama": dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}),
+    "mistral": dict(sliding_window=8),
+    "qwen2": dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    "qwen3": dict(head_dim=32, tie_word_embeddings=True),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, shared_expert_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=False, **_MOE),
+    "qwen3_moe": dict(num_experts=4, norm_topk_prob=True, **_MOE),
+    "deepseek_v3": dict(n_routed_experts=8, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+                        qk_nope_head_dim=8, v_head_dim=12, num_key_value_heads=4, first_k_dense_replace=1, n_group=4,
+                        topk_group=2, routed_scaling_factor=2.5, rope_parameters=_YARN, **_MOE),
+}
+
+
+def build_tiny_hf_model(family: str, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(family, **{**_COMMON, **TINY_FAMILIES[family]})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        # HF initialises norms to ones and biases to zero; random values make a wrong mapping visible.
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith(("norm.weight", "layernorm.weight")):
+                tensor.copy_(1 + 0.2 * torch.randn_like(tensor))
+            elif name.endswith((".bias", "e_score_correction_bias")):
+                tensor.copy_(0.1 * torch.randn_like(tensor))
+    return model
+
+
+@pytest.fixture(scope="session")
+def runtime():
+    from unified.runtime import Layout, init_distributed, select_accelerator
+
+    accelerator = select_accelerator("cpu")
+    init_distributed(accelerator, Layout())
+    return accelerator
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(family) -> folder with config.json + model.safetensors, made once per session."""
+    made: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            path = tmp_path_factory.mktemp(f"tiny-{family}")
+            build_tiny_hf_model(family).save_pretrained(path)
+            made[family] = path
+        return made[family]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint():
+    from unified.checkpoint.builtin import resolve_model
+
+    return resolve_model("smollm2")
+
+
+def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs `python -m unified ARGS` from a scratch folder; returns the finished process."""
+    with tempfile.TemporaryDirectory() as cwd:
+        return subprocess.run([sys.executable, "-m", "unified", *args], cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -1,0 +1,65 @@
+"""Behaviour of the model definition beyond parity: forward context, routing, meta construction."""
+import torch
+
+from unified.checkpoint import load_model
+from unified.model.attention import causal_attention
+from unified.model.config import MoEConfig, ModelConfig
+from unified.model.forward_context import forward_context, get_forward_context
+from unified.model.moe import Router
+from unified.model.transformer import CausalLM
+
+
+class RecordingContext:
+    """Attends exactly like training attention but records which layers asked."""
+
+    def __init__(self):
+        self.layers = []
+
+    def attend(self, layer, q, k, v, scale, sliding_window):
+        self.layers.append(layer)
+        return causal_attention(q, k, v, scale, sliding_window)
+
+
+def test_attention_reads_the_forward_context(runtime, tiny_checkpoint):
+    model = load_model(tiny_checkpoint("deepseek_v3")).model
+    ids, positions = torch.randint(0, 160, (1, 10)), torch.arange(10)
+    with torch.inference_mode():
+        plain = model(ids, positions)
+        ctx = RecordingContext()
+        with forward_context(ctx):
+            assert get_forward_context() is ctx
+            via_context = model(ids, positions)
+    assert get_forward_context() is None
+    assert ctx.layers == [0, 1, 2]
+    torch.testing.assert_close(via_context, plain)
+
+
+def test_group_limited_routing_only_picks_from_best_groups():
+    moe = MoEConfig(num_experts=8, top_k=2, expert_intermediate_size=4, scoring="sigmoid", score_correction_bias=True,
+                    num_groups=4, topk_groups=1, routed_scaling_factor=2.0)
+    router = Router(hidden_size=8, moe=moe, dtype=torch.float32)
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(8))
+        router.score_bias.zero_()
+    x = torch.full((1, 8), -5.0)
+    x[0, 6], x[0, 7], x[0, 0] = 4.0, 3.0, 5.0  # best single expert is 0, but group 3 (experts 6, 7) sums higher
+    weights, ids = router(x)
+    assert sorted(ids[0].tolist()) == [6, 7]
+    torch.testing.assert_close(weights.sum(), torch.tensor(2.0))
+
+
+def test_giant_layout_builds_on_meta_device(runtime):
+    from unified.model.config import MLAConfig
+
+    config = ModelConfig(family="deepseek_v3", vocab_size=163840, hidden_size=7168, num_layers=4, num_heads=64,
+                         num_kv_heads=64, head_dim=192, intermediate_size=18432,
+                         mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                       v_head_dim=128),
+                         moe=MoEConfig(num_experts=384, top_k=8, expert_intermediate_size=2048, scoring="sigmoid",
+                                       score_correction_bias=True, shared_intermediate_size=2048, dense_layers=[0]))
+    with torch.device("meta"):
+        model = CausalLM(config, torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    experts_per_layer = 384 * 3 * 7168 * 2048
+    assert params > 3 * experts_per_layer
+    assert all(p.device.type == "meta" for p in model.parameters())
