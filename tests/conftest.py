@@ -95,7 +95,9 @@ def smollm2_checkpoint():
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Runs `python -m unified ARGS` from a scratch folder; returns the finished process."""
+    """Runs `python -m unified ARGS` from a scratch folder and checks it left that folder empty."""
     with tempfile.TemporaryDirectory() as cwd:
-        return subprocess.run([sys.executable, "-m", "unified", *args], cwd=cwd, capture_output=True, text=True,
-                              timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        result = subprocess.run([sys.executable, "-m", "unified", *args], cwd=cwd, capture_output=True, text=True,
+                                timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert not os.listdir(cwd), f"the run cluttered its working directory: {os.listdir(cwd)}"
+    return result
