@@ -1,8 +1,11 @@
-"""Custom ops. Model code calls these functions, never an implementation directly.
+"""Custom ops. Model and engine code call these functions, never an implementation directly.
 
 Each op has a plain-PyTorch reference (any device, the ground truth in tests) and, where one exists,
 a faster path chosen by the input's device and dtype.
 """
+from kernels.kv_quant import dequantize_kv, packed_dim, quantize_kv
+from kernels.paged_attention import paged_attention, write_kv
 from kernels.rms_norm import rms_norm, rms_norm_reference
 
-__all__ = ["rms_norm", "rms_norm_reference"]
+__all__ = ["dequantize_kv", "packed_dim", "paged_attention", "quantize_kv", "rms_norm", "rms_norm_reference",
+           "write_kv"]

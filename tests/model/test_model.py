@@ -21,7 +21,7 @@ class RecordingContext:
 
 
 def test_attention_reads_the_forward_context(runtime, tiny_checkpoint):
-    model = load_model(tiny_checkpoint("deepseek_v3")).model
+    model = load_model(tiny_checkpoint("qwen3")).model
     ids, positions = torch.randint(0, 160, (1, 10)), torch.arange(10)
     with torch.inference_mode():
         plain = model(ids, positions)

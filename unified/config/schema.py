@@ -28,6 +28,20 @@ class ParallelConfig:
 
 
 @dataclass
+class EngineConfig:
+    block_size: int = 16  # tokens per KV-cache block
+    max_num_seqs: int = 64  # sequences in one step
+    max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)
+    chunked_prefill: bool = True
+    prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (model dtype) | int8 | int4
+    kv_cache_bytes: Optional[int] = None  # explicit budget; None: a fraction of free memory
+    kv_cache_memory_fraction: float = 0.5  # of the memory free after weights and a warm-up pass
+    num_blocks: Optional[int] = None  # fixes the cache size in blocks, overriding both budgets
+    max_model_len: Optional[int] = None  # None: the model's context length
+
+
+@dataclass
 class GenerationConfig:
     max_new_tokens: int = 128
     system_prompt: Optional[str] = None
@@ -54,6 +68,7 @@ class RunConfig:
     seed: int = 0
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     check: ParityCheckConfig = field(default_factory=ParityCheckConfig)
 
@@ -65,3 +80,4 @@ def register_schemas() -> None:
     store.store(name="run_schema", node=RunConfig)
     store.store(group="device", name="device_schema", node=DeviceConfig)
     store.store(group="parallel", name="parallel_schema", node=ParallelConfig)
+    store.store(group="engine", name="engine_schema", node=EngineConfig)

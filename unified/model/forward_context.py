@@ -20,6 +20,11 @@ class AttentionContext(Protocol):
         """q: [B, S, Hq, Dqk], k: [B, S, Hkv, Dqk], v: [B, S, Hkv, Dv] -> [B, S, Hq, Dv]."""
         ...
 
+    def attend_latent(self, layer: int, q: torch.Tensor, kv: torch.Tensor, v_dim: int, scale: float) -> torch.Tensor:
+        """MLA in latent space: q: [B, S, H, R+P], kv: [B, S, 1, R+P] (the values are kv[..., :v_dim])
+        -> [B, S, H, v_dim]. The context stores kv, one entry per token, shared by all heads."""
+        ...
+
 
 _current: contextvars.ContextVar[AttentionContext | None] = contextvars.ContextVar("forward_context", default=None)
 

@@ -5,6 +5,10 @@ key of `qk_rope_head_dim`; queries optionally go through their own low-rank bott
 and the shared rope key are what an inference cache stores; here they are expanded to per-head K/V.
 Down-projections are replicated across tensor-parallel ranks (they are small); up-projections split
 by heads.
+
+Under an inference context the up-projection of keys is absorbed into the queries and that of values
+is applied after attention, so attention runs over the cached latent directly (one shared "head" of
+width kv_lora_rank + rope dim) and the cache never holds per-head K/V.
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from torch import nn
 
 from unified.model.attention import attend
 from unified.model.config import ModelConfig
+from unified.model.forward_context import get_forward_context
 from unified.model.norm import RMSNorm
 from unified.model.parallel_layers import ColumnLinear, RowLinear, megatron_config
 from unified.model.rope import RotaryEmbedding
@@ -52,12 +57,25 @@ class MLAttention(nn.Module):
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
 
         latent, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_norm(latent)).view(b, s, self.num_heads, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-
+        latent = self.kv_a_norm(latent)
         q_rope = rope(q_rope, cos, sin)
         k_rope = rope(k_rope.view(b, s, 1, self.rope_dim), cos, sin)  # one rope key shared by all heads
+        ctx = get_forward_context()
+        if ctx is not None:
+            return self.o_proj(self._attend_latent(ctx, q_nope, q_rope, latent, k_rope).reshape(b, s, -1))
+
+        kv = self.kv_b_proj(latent).view(b, s, self.num_heads, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(b, s, self.num_heads, self.rope_dim)), dim=-1)
         out = attend(self.layer, q, k, v, self.scale, None)  # [B, S, H, Dv]
         return self.o_proj(out.reshape(b, s, -1))
+
+    def _attend_latent(self, ctx, q_nope, q_rope, latent, k_rope) -> torch.Tensor:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, :self.nope_dim], w[:, self.nope_dim:]  # [H, nope, R], [H, v, R]
+        q_latent = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)
+        q = torch.cat((q_latent, q_rope), dim=-1)  # [B, S, H, R+P]
+        kv = torch.cat((latent.unsqueeze(2), k_rope), dim=-1)  # [B, S, 1, R+P]
+        out_latent = ctx.attend_latent(self.layer, q, kv, self.kv_lora_rank, self.scale)  # [B, S, H, R]
+        return torch.einsum("bshr,hvr->bshv", out_latent, w_uv)

@@ -1,0 +1,76 @@
+"""Attention over a paged KV cache, for a ragged batch of sequences.
+
+Layout: caches are [num_blocks, block_size, kv_heads, D]; `block_tables[s]` lists sequence s's
+blocks; sequence s contributes queries q[query_start[s]:query_start[s+1]], which are the last tokens
+of its `context_lens[s]` tokens (their K/V already written to the cache). Attention is causal and
+optionally limited to a sliding window. With `v_cache=None` the values are the first `v_head_dim`
+channels of the keys (MLA's absorbed latent cache).
+
+This plain-PyTorch version is the reference and the CPU path: it reads only each sequence's own
+blocks (one index_select per cache per sequence), never the whole cache, and runs one fused SDPA per
+sequence. Quantised caches (int8/int4 with per-token-per-head scales) are dequantised right after the
+gather.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.kv_quant import dequantize_kv
+
+
+def _gather(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, length: int, bits: int | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    x = cache.index_select(0, blocks).flatten(0, 1)[:length]  # [ctx, H, D or D/2]
+    if bits is None:
+        return x
+    s = scale.index_select(0, blocks).flatten(0, 1)[:length]
+    return dequantize_kv(x, s, bits, dtype)
+
+
+def _mask(q_len: int, ctx_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
+    if q_len == 1 and (sliding_window is None or sliding_window >= ctx_len):
+        return None
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    k_pos = torch.arange(ctx_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, block_tables: torch.Tensor,
+                    query_start: list[int], context_lens: list[int], scale: float, *,
+                    sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None, kv_bits: int | None = None,
+                    v_head_dim: int | None = None) -> torch.Tensor:
+    """q: [T, Hq, Dk] -> [T, Hq, Dv]."""
+    block_size = k_cache.shape[1]
+    dv = v_head_dim or (v_cache.shape[-1] * (2 if kv_bits == 4 else 1) if v_cache is not None else q.shape[-1])
+    out = q.new_empty(q.shape[0], q.shape[1], dv)
+    for s, ctx_len in enumerate(context_lens):
+        start, end = query_start[s], query_start[s + 1]
+        blocks = block_tables[s, : -(-ctx_len // block_size)]
+        k = _gather(k_cache, k_scale, blocks, ctx_len, kv_bits, q.dtype)  # [ctx, Hkv, Dk]
+        v = k[..., :dv] if v_cache is None else _gather(v_cache, v_scale, blocks, ctx_len, kv_bits, q.dtype)
+        qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, Dk]
+        attn = F.scaled_dot_product_attention(
+            qs, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+            attn_mask=_mask(end - start, ctx_len, sliding_window, q.device), scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1])
+        out[start:end] = attn[0].transpose(0, 1)
+    return out
+
+
+def write_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor,
+             kv_bits: int | None) -> None:
+    """Stores x [T, H, D] at flat slot indices (block * block_size + offset), quantising if asked."""
+    flat = cache.view(-1, *cache.shape[2:])
+    if kv_bits is None:
+        flat.index_copy_(0, slots, x.to(cache.dtype))
+        return
+    from kernels.kv_quant import quantize_kv
+
+    values, scale = quantize_kv(x, kv_bits)
+    flat.index_copy_(0, slots, values)
+    scale_cache.view(-1, *scale_cache.shape[2:]).index_copy_(0, slots, scale)

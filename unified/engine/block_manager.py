@@ -1,0 +1,138 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, reference counts, and the prefix cache.
+
+A full block is keyed by a chained hash of its tokens (the previous block's hash, its token ids and
+any extra content such as image hashes), so two requests that share a prefix share its blocks. Freed
+blocks keep their hash and stay findable until they are handed out again, oldest-freed first (LRU).
+Invariant: a block is in `free` exactly when its reference count is zero.
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from unified.engine.sequence import Sequence
+
+
+def block_hash(parent: bytes, token_ids: list[int], extra: bytes = b"") -> bytes:
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    digest.update(extra)
+    return digest.digest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: bytes | None = None
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}
+        self.hit_tokens = 0
+        self.queried_tokens = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """New blocks `seq` needs so that its first `num_tokens` tokens have slots."""
+        return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, [], 1
+        return block_id
+
+    def _chain_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
+        hashes, parent, size = [], b"", self.block_size
+        for i in range(num_full_blocks):
+            parent = block_hash(parent, seq.token_ids[i * size:(i + 1) * size])
+            hashes.append(parent)
+        return hashes
+
+    def allocate_prefix(self, seq: Sequence) -> int:
+        """Gives a new sequence the cached blocks of its longest cached prefix; returns tokens covered.
+
+        At least one prompt token is always left to compute, so the step produces logits.
+        """
+        assert not seq.block_table
+        if not self.prefix_caching:
+            return 0
+        size = self.block_size
+        candidates = (seq.num_tokens - 1) // size
+        self.queried_tokens += candidates * size
+        for i, h in enumerate(self._chain_hashes(seq, candidates)):
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != seq.token_ids[i * size:(i + 1) * size]:
+                break
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_hashed_blocks = len(seq.block_table)
+        hit = len(seq.block_table) * size
+        self.hit_tokens += hit
+        seq.num_computed_tokens = seq.num_cached_prompt_tokens = hit
+        return hit
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        """Makes sure `seq` has slots for its first `num_tokens` tokens."""
+        needed = self.blocks_needed(seq, num_tokens)
+        assert needed <= self.num_free_blocks
+        seq.block_table.extend(self._take_free() for _ in range(needed))
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Publishes the blocks whose tokens are all computed, so later requests can reuse them."""
+        if not self.prefix_caching:
+            return
+        size = self.block_size
+        done = seq.num_hashed_blocks
+        parent = self.blocks[seq.block_table[done - 1]].hash if done else b""
+        for i in range(done, seq.num_computed_tokens // size):
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.token_ids = seq.token_ids[i * size:(i + 1) * size]
+                block.hash = block_hash(parent, block.token_ids)
+                self.cached.setdefault(block.hash, block.block_id)
+            parent = block.hash
+            seq.num_hashed_blocks = i + 1
+
+    def free_sequence(self, seq: Sequence) -> None:
+        # Tail blocks first, so under memory pressure the shared prefixes are evicted last.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+
+    def usage(self) -> float:
+        return 1 - self.num_free_blocks / self.num_blocks
+
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

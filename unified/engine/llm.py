@@ -1,0 +1,86 @@
+"""Offline API: `LLM(model).generate(prompts, SamplingParams(...))`, and `chat()` with the chat template.
+
+Also `build_engine`, which the recipes share: runtime, model, tokenizer and engine from configs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from unified.checkpoint import load_model
+from unified.checkpoint.builtin import resolve_model
+from unified.config.schema import DeviceConfig, EngineConfig, ParallelConfig
+from unified.engine.llm_engine import LLMEngine, RequestOutput
+from unified.engine.sampling_params import SamplingParams
+from unified.runtime import start_runtime
+
+
+@dataclass
+class EngineBundle:
+    engine: LLMEngine
+    tokenizer: object
+    path: object
+
+
+def _eos_ids(tokenizer, path) -> set[int]:
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    return ids
+
+
+def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, engine: EngineConfig,
+                 seed: int = 0) -> EngineBundle:
+    from transformers import AutoTokenizer
+
+    runtime = start_runtime(device, parallel, seed)
+    path = resolve_model(model)
+    loaded = load_model(path, runtime.device, runtime.dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    llm_engine = LLMEngine(loaded.model, tokenizer, engine, runtime.device, runtime.dtype, runtime.accelerator,
+                           _eos_ids(tokenizer, path))
+    return EngineBundle(llm_engine, tokenizer, path)
+
+
+def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    if not tokenizer.chat_template:
+        return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto", seed: int = 0,
+                 **engine_options):
+        bundle = build_engine(model, DeviceConfig(device, dtype), ParallelConfig(), EngineConfig(**engine_options), seed)
+        self.engine, self.tokenizer = bundle.engine, bundle.tokenizer
+
+    def generate(self, prompts: str | list[str] | list[list[int]], sampling_params: SamplingParams | list | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (str, token-id lists, or a list of either)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, conversations: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([chat_prompt(self.tokenizer, c) for c in conversations], sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm import tqdm
+
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), disable=not use_tqdm, desc="requests") as bar:
+            while self.engine.has_unfinished():
+                for output in self.engine.step():
+                    done[output.request_id] = output
+                    bar.update(1)
+        return [done[r] for r in request_ids]

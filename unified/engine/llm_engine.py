@@ -1,0 +1,201 @@
+"""The engine loop: requests in, one scheduled forward per step, tokens and finished outputs out.
+
+`step()` = schedule -> model runner -> sampler -> postprocess (append tokens, stop checks, free the
+blocks of finished sequences). A request with n > 1 becomes n sequences; its output is complete when
+all of them are. Bad requests raise `InvalidRequest` from `add_request` and leave the engine as it was.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from unified.engine.block_manager import BlockManager
+from unified.engine.kv_cache import CacheShape, KVCache, kv_bits_of
+from unified.engine.model_runner import ModelRunner
+from unified.engine.sampler import TokenLogprob, sample
+from unified.engine.sampling_params import InvalidRequest, SamplingParams
+from unified.engine.scheduler import Scheduler
+from unified.engine.sequence import Sequence
+from unified.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, engine_cfg, device: torch.device, dtype: torch.dtype, accelerator,
+                 eos_token_ids: set[int] | None = None):
+        self.model, self.tokenizer, self.cfg = model, tokenizer, engine_cfg
+        self.config = model.config
+        self.device, self.dtype = device, dtype
+        self.eos_token_ids = set(eos_token_ids or ())
+        self.runner = ModelRunner(model, device)
+        num_blocks = self._cache_blocks(accelerator)
+        self.runner.cache = KVCache(self.config, num_blocks, engine_cfg.block_size, dtype, device,
+                                    engine_cfg.kv_cache_dtype)
+        self.blocks = BlockManager(num_blocks, engine_cfg.block_size, engine_cfg.prefix_caching)
+        self.scheduler = Scheduler(self.blocks, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens,
+                                   engine_cfg.chunked_prefill)
+        context = engine_cfg.max_model_len or self.config.max_position_embeddings
+        self.max_model_len = min(context, num_blocks * engine_cfg.block_size)
+        if self.max_model_len < context:
+            log.warning("the KV cache holds %d tokens, fewer than the %d-token context; sequences stop there",
+                        self.max_model_len, context)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        cache = self.runner.cache
+        log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d bytes/token)", num_blocks,
+                 engine_cfg.block_size, num_blocks * engine_cfg.block_size, cache.total_bytes / 2 ** 20,
+                 engine_cfg.kv_cache_dtype, cache.bytes_per_token)
+
+    def _cache_blocks(self, accelerator) -> int:
+        cfg = self.cfg
+        per_token = CacheShape.of(self.config).bytes_per_token(self.config.num_layers, self.dtype,
+                                                               kv_bits_of(cfg.kv_cache_dtype))
+        if cfg.num_blocks:
+            return cfg.num_blocks
+        if cfg.kv_cache_bytes:
+            budget = cfg.kv_cache_bytes
+        else:
+            self._warm_up()
+            budget = int(accelerator.available_memory() * cfg.kv_cache_memory_fraction)
+        blocks = budget // (per_token * cfg.block_size)
+        if blocks < 1:
+            raise UserError(f"a KV-cache budget of {budget} bytes holds no {cfg.block_size}-token block "
+                            f"({per_token} bytes per token); raise engine.kv_cache_bytes or engine.kv_cache_memory_fraction")
+        return blocks
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One forward at the step's token budget, so the memory left afterwards is what the cache may use."""
+        tokens = min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len or self.config.max_position_embeddings)
+        ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
+        self.model.logits(self.model(ids, torch.arange(tokens, device=self.device))[:, -1])
+
+    # Requests ---------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        params.validate()
+        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise InvalidRequest("the prompt is empty; send at least one token")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len}; "
+                                 f"shorten the prompt")
+        if not self.cfg.chunked_prefill and len(ids) > self.cfg.max_num_batched_tokens:
+            raise InvalidRequest(f"the prompt has {len(ids)} tokens, more than engine.max_num_batched_tokens="
+                                 f"{self.cfg.max_num_batched_tokens} with chunked prefill off")
+        if any(not 0 <= t < self.config.vocab_size for t in ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        base_seed = params.seed if params.seed is not None else random.getrandbits(63)
+        request = _Request(request_id, ids, params)
+        for i in range(params.n):
+            seq = Sequence(request_id, i, ids, params, seed=base_seed + i)
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        request = self.requests.pop(request_id, None)
+        for seq in request.seqs if request else ():
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # The loop ---------------------------------------------------------------------------------------
+
+    def step(self, choose=sample) -> list[RequestOutput]:
+        """One forward pass; returns the requests that finished in it.
+
+        `choose(logits [S, V], seqs) -> (token ids, logprob entries)` picks the next tokens; the default
+        samples, and teacher forcing (scoring given continuations) passes its own.
+        """
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits = self.runner.execute(batch)
+        sampling = [item.seq for item in batch if item.samples]
+        tokens, entries = choose(logits, sampling) if sampling else ([], [])
+        for item in batch:
+            item.seq.num_computed_tokens += item.num_new_tokens
+            self.blocks.register_full_blocks(item.seq)
+        touched = set()
+        for seq, token, entry in zip(sampling, tokens, entries):
+            seq.append(token)
+            if entry is not None:
+                seq.logprobs.append(entry)
+            self._check_stop(seq, token)
+            touched.add(seq.request_id)
+        return [self._output(rid, finished=True) for rid in touched if self._finished(rid)]
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self.scheduler.finish(seq, "stop")
+        elif p.stop and self._stop_string_hit(seq):
+            self.scheduler.finish(seq, "stop")
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def _stop_string_hit(self, seq: Sequence) -> bool:
+        longest = max(len(s) for s in seq.params.stop)
+        tail = self.tokenizer.decode(seq.output_token_ids[-(longest + 4):], skip_special_tokens=True)
+        return any(s in tail for s in seq.params.stop)
+
+    def _finished(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        return request is not None and all(s.is_finished for s in request.seqs)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        token_ids = seq.output_token_ids
+        if seq.finish_reason == "stop" and token_ids and (token_ids[-1] in self.eos_token_ids
+                                                          or token_ids[-1] in seq.params.stop_token_ids):
+            token_ids = token_ids[:-1]
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        for stop in seq.params.stop:
+            if stop in text:
+                text = text[:text.index(stop)]
+        return CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason,
+                                seq.logprobs if seq.params.logprobs is not None else None)
+
+    def _output(self, request_id: str, finished: bool) -> RequestOutput:
+        request = self.requests.pop(request_id) if finished else self.requests[request_id]
+        return RequestOutput(request_id, request.prompt_token_ids, [self._completion(s) for s in request.seqs],
+                             finished, max(s.num_cached_prompt_tokens for s in request.seqs))

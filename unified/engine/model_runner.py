@@ -1,0 +1,57 @@
+"""Packs a scheduled ragged batch into one forward pass and returns the logits that pick tokens.
+
+All sequences' new tokens are concatenated into a single [1, T] batch (no padding); the attention
+context tells each layer where those tokens' K/V go and which blocks each sequence reads. Only the
+last position of each sequence that reaches its end this step goes through the LM head.
+"""
+from __future__ import annotations
+
+import torch
+
+from unified.engine.kv_cache import KVCache, PagedAttentionContext, StepMetadata
+from unified.engine.scheduler import ScheduledSeq
+from unified.model.forward_context import forward_context
+
+
+class ModelRunner:
+    def __init__(self, model, device: torch.device):
+        self.model = model
+        self.device = device
+        self.cache: KVCache | None = None
+
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int]]:
+        block_size = self.cache.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start, context_lens, sample_rows = [0], [], []
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            table = seq.block_table
+            tokens += seq.token_ids[start:end]
+            positions += range(start, end)
+            slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+            query_start.append(query_start[-1] + item.num_new_tokens)
+            context_lens.append(end)
+            if item.samples:
+                sample_rows.append(query_start[-1] - 1)
+        width = max(len(item.seq.block_table) for item in batch)
+        tables = torch.tensor([item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch],
+                              dtype=torch.long)
+        meta = StepMetadata(torch.tensor(slots, dtype=torch.long, device=self.device), tables.to(self.device),
+                            query_start, context_lens)
+        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
+        return ids, pos, meta, sample_rows
+
+    @torch.inference_mode()
+    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Runs the step; returns float32 logits [num sampling sequences, V] in batch order."""
+        ids, positions, meta, sample_rows = self.prepare(batch)
+        with forward_context(PagedAttentionContext(self.cache, meta)):
+            hidden = self.model(ids, positions)  # [1, T, H]
+        if not sample_rows:
+            return hidden.new_empty(0, 0)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return self.model.logits(hidden[0].index_select(0, rows)).float()

@@ -1,0 +1,64 @@
+"""One sequence being generated: its tokens, how many of them have K/V in the cache, and its blocks."""
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from unified.engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    _ids = itertools.count()
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 seed: int):
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n samples
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache
+        self.num_cached_prompt_tokens = 0  # of those, found in the prefix cache
+        self.block_table: list[int] = []
+        self.num_hashed_blocks = 0  # leading blocks already published to the prefix cache
+        self.finish_reason: str | None = None
+        self.logprobs: list[dict] = []
+        self.generator = torch.Generator().manual_seed(seed)
+        self.output_counts: dict[int, int] = {}
+        self.text_offset = 0  # characters of output text already handed out (streaming)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_counts[token_id] = self.output_counts.get(token_id, 0) + 1
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: K/V are gone; prompt and generated tokens are recomputed as one prompt."""
+        self.num_computed_tokens = 0
+        self.block_table = []
+        self.status = Status.WAITING
