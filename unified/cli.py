@@ -17,6 +17,7 @@ DEFAULT_RECIPE = "demo"
 JOBS = {
     "demo": "unified.jobs.demo",
     "check_parity": "unified.jobs.check_parity",
+    "batch": "unified.jobs.batch",
 }
 
 

@@ -54,9 +54,10 @@ class KVCache:
         storage_dtype = dtype if self.bits is None else (torch.int8 if self.bits == 8 else torch.uint8)
         dim = kernels.packed_dim(self.shape.dim, self.bits)
         shape = (num_blocks, block_size, self.shape.heads, dim)
-        self.values = [[torch.zeros(shape, dtype=storage_dtype, device=device) for _ in range(self.shape.entries)]
+        # torch.empty: pages are committed as they are written, and every slot is written before it is read.
+        self.values = [[torch.empty(shape, dtype=storage_dtype, device=device) for _ in range(self.shape.entries)]
                        for _ in range(config.num_layers)]
-        self.scales = [[torch.zeros(shape[:3], dtype=torch.float32, device=device) if self.bits else None
+        self.scales = [[torch.empty(shape[:3], dtype=torch.float32, device=device) if self.bits else None
                         for _ in range(self.shape.entries)] for _ in range(config.num_layers)]
         self.bytes_per_token = self.shape.bytes_per_token(config.num_layers, dtype, self.bits)
 

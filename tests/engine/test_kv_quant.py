@@ -1,0 +1,66 @@
+"""Quantised KV caches: accuracy on real weights and bytes per token."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernels
+from tests.engine.conftest import assert_no_block_leaks, make_engine, run_teacher_forced
+from unified.checkpoint import load_model
+from unified.engine.kv_cache import CacheShape
+
+TEXT = ("The history of the printing press begins in the fifteenth century, when movable type changed how "
+        "books were made, who could read them, and how quickly new ideas travelled between cities. ")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_roundtrip_error_is_bounded(bits):
+    x = torch.randn(7, 3, 64)
+    values, scale = kernels.quantize_kv(x, bits)
+    assert values.shape[-1] == kernels.packed_dim(64, bits)
+    back = kernels.dequantize_kv(values, scale, bits, torch.float32)
+    # Rounding moves each rotated channel by at most scale / 2; the rotation preserves the norm.
+    assert ((back - x).norm(dim=-1) <= 64 ** 0.5 * scale / 2 + 1e-5).all()
+
+
+@pytest.fixture(scope="module")
+def decode_logits(runtime, smollm2_checkpoint):
+    """Logits of 64 teacher-forced decode steps after a 512-token prompt, per KV-cache dtype."""
+    from transformers import AutoTokenizer
+
+    loaded = load_model(smollm2_checkpoint)
+    ids = AutoTokenizer.from_pretrained(smollm2_checkpoint)(TEXT * 40)["input_ids"]
+    prompt, continuation = ids[:512], ids[512:576]
+
+    def run(dtype: str) -> torch.Tensor:
+        engine = make_engine(loaded, num_blocks=40, block_size=16, kv_cache_dtype=dtype, max_num_batched_tokens=512)
+        logits = run_teacher_forced(engine, [prompt], [continuation])[0]
+        assert_no_block_leaks(engine)
+        assert logits.shape[0] == 64
+        return logits
+
+    return run
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def test_int8_cache_tracks_the_full_precision_cache(decode_logits):
+    full, int8 = decode_logits("auto"), decode_logits("int8")
+    assert _cosine(int8, full) >= 0.999
+    assert F.cosine_similarity(int8, full, dim=-1).mean() >= 0.999
+
+
+@pytest.mark.xfail(strict=True, reason="int4 with per-token-per-head scales reaches cosine ~0.95 on SmolLM2 "
+                                       "(key outliers); the 0.99 target needs a better int4 scheme")
+def test_int4_cache_tracks_the_full_precision_cache(decode_logits):
+    assert _cosine(decode_logits("int4"), decode_logits("auto")) >= 0.99
+
+
+def test_bytes_per_token_include_scales(runtime, smollm2_checkpoint):
+    config = load_model(smollm2_checkpoint).config
+    shape = CacheShape.of(config)
+    fp32 = shape.bytes_per_token(config.num_layers, torch.float32, None)
+    assert fp32 == config.num_layers * 2 * config.num_kv_heads * config.head_dim * 4
+    assert shape.bytes_per_token(config.num_layers, torch.float32, 8) <= 0.30 * fp32
+    assert shape.bytes_per_token(config.num_layers, torch.float32, 4) <= 0.17 * fp32

@@ -1,0 +1,120 @@
+"""`unified recipe=batch input=prompts.jsonl output=out.jsonl`: offline batch inference.
+
+Each input line is a JSON object with `messages` (chat) or `prompt` (raw text), an optional `id`
+(default: the line number) and optional sampling options (`max_tokens`, `temperature`, ...). Results
+are appended to the output as each request finishes, one flushed line each, so a rerun after a crash
+skips the ids already written (a half-written last line is dropped and redone). A malformed line is
+reported with its line number and skipped; the others still run.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from unified.engine.llm import build_engine, chat_prompt
+from unified.engine.llm_engine import RequestOutput
+from unified.engine.sampling_params import InvalidRequest, SamplingParams
+from unified.errors import UserError
+
+REQUEST_KEYS = ("id", "messages", "prompt")
+
+
+def _completed_ids(output: Path) -> set[str]:
+    """Ids already in `output`; truncates a torn last line left by a crash."""
+    if not output.exists():
+        return set()
+    done, keep = set(), 0
+    with output.open("rb") as f:
+        for raw in f:
+            try:
+                done.add(str(json.loads(raw)["id"]))
+            except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
+                break
+            keep += len(raw)
+    with output.open("r+b") as f:
+        f.truncate(keep)
+    return done
+
+
+def _parse(line: str, lineno: int, tokenizer) -> tuple[str, list[int], SamplingParams]:
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise InvalidRequest(f"not valid JSON ({err.msg} at column {err.colno})") from None
+    if not isinstance(item, dict):
+        raise InvalidRequest("each line must be a JSON object")
+    request_id = str(item.get("id", f"line-{lineno}"))
+    if isinstance(item.get("messages"), list) and item["messages"]:
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in item["messages"]):
+            raise InvalidRequest("every message needs a string 'content'")
+        ids = chat_prompt(tokenizer, item["messages"])
+    elif isinstance(item.get("prompt"), str):
+        ids = tokenizer(item["prompt"])["input_ids"]
+    else:
+        raise InvalidRequest("a line needs 'messages' (a non-empty list) or 'prompt' (a string)")
+    options = {k: v for k, v in item.items() if k not in REQUEST_KEYS}
+    options.setdefault("temperature", 0.0)
+    options.setdefault("max_tokens", 256)
+    return request_id, ids, SamplingParams.from_dict(options)
+
+
+def _record(output: RequestOutput) -> dict:
+    first = output.outputs[0]
+    record = {"id": output.request_id, "text": first.text, "finish_reason": first.finish_reason,
+              "usage": {"prompt_tokens": len(output.prompt_token_ids),
+                        "completion_tokens": sum(len(o.token_ids) for o in output.outputs)}}
+    if len(output.outputs) > 1:
+        record["outputs"] = [{"text": o.text, "finish_reason": o.finish_reason} for o in output.outputs]
+    if first.logprobs is not None:
+        record["logprobs"] = [[{"token_id": e.token_id, "logprob": e.logprob, "top": e.top} for e in o.logprobs]
+                              for o in output.outputs]
+    return record
+
+
+def run(cfg) -> None:
+    from tqdm import tqdm
+
+    if not cfg.input or not cfg.output:
+        raise UserError("batch needs input= and output=: unified recipe=batch input=prompts.jsonl output=out.jsonl")
+    source, target = Path(cfg.input), Path(cfg.output)
+    if not source.is_file():
+        raise UserError(f"input={source} does not exist")
+    done = _completed_ids(target)
+    lines = source.read_text().splitlines()
+    bundle = build_engine(cfg.model, cfg.device, cfg.parallel, cfg.engine, cfg.seed)
+    engine, in_flight_cap = bundle.engine, 4 * cfg.engine.max_num_seqs
+    pending = iter(enumerate(lines, start=1))
+    skipped = errors = 0
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("a") as out, tqdm(total=len(lines), desc="batch", unit="req") as bar:
+        def submit() -> None:
+            nonlocal skipped, errors
+            for lineno, line in pending:
+                if not line.strip():
+                    bar.update(1)
+                    continue
+                try:
+                    request_id, ids, params = _parse(line, lineno, bundle.tokenizer)
+                    if request_id in done:
+                        skipped += 1
+                        bar.update(1)
+                        continue
+                    engine.add_request(ids, params, request_id)
+                except InvalidRequest as err:
+                    errors += 1
+                    bar.update(1)
+                    print(f"{source}:{lineno}: skipped: {err}", file=sys.stderr)
+                    continue
+                if len(engine.requests) >= in_flight_cap:
+                    return
+
+        submit()
+        while engine.has_unfinished():
+            for output in engine.step():
+                out.write(json.dumps(_record(output)) + "\n")
+                out.flush()
+                bar.update(1)
+            if len(engine.requests) < in_flight_cap:
+                submit()
+    print(f"batch: {len(lines)} lines, {skipped} already done, {errors} skipped for errors -> {target}")
