@@ -6,10 +6,11 @@ of its `context_lens[s]` tokens (their K/V already written to the cache). Attent
 optionally limited to a sliding window. With `v_cache=None` the values are the first `v_head_dim`
 channels of the keys (MLA's absorbed latent cache).
 
-This plain-PyTorch version is the reference and the CPU path: it reads only each sequence's own
-blocks (one index_select per cache per sequence), never the whole cache, and runs one fused SDPA per
-sequence. Quantised caches (int8/int4 with per-token-per-head scales) are dequantised right after the
-gather.
+This plain-PyTorch version is the reference and the CPU path. It reads only the blocks of the
+sequences in the batch, never the whole cache: all one-token (decode) queries go through a single
+gather of their slots, padded to the longest context, and one masked SDPA; each multi-token (prefill)
+chunk gathers its own blocks and runs one SDPA. Quantised caches (int8/int4 with per-token-per-head
+scales) are dequantised right after the gather.
 """
 from __future__ import annotations
 
@@ -39,6 +40,35 @@ def _mask(q_len: int, ctx_len: int, sliding_window: int | None, device) -> torch
     return mask
 
 
+def _decode_batch(q: torch.Tensor, k_cache, v_cache, k_scale, v_scale, block_tables: torch.Tensor,
+                  context_lens: list[int], scale: float, sliding_window: int | None, kv_bits: int | None,
+                  dv: int) -> torch.Tensor:
+    """One query per sequence. q: [S, Hq, Dk], block_tables: [S, B] -> [S, Hq, Dv]."""
+    block_size = k_cache.shape[1]
+    longest = max(context_lens)
+    width = -(-longest // block_size)
+    offsets = torch.arange(block_size, device=q.device)
+    slots = (block_tables[:, :width, None] * block_size + offsets).flatten(1)[:, :longest]  # [S, L]
+    lens = torch.tensor(context_lens, device=q.device)[:, None]
+    k_pos = torch.arange(longest, device=q.device)[None, :]
+    valid = k_pos < lens  # [S, L]
+    if sliding_window is not None:
+        valid &= k_pos >= lens - sliding_window
+    slots = slots.masked_fill(~valid, 0).flatten()
+
+    def gather(cache, scale_cache):
+        x = cache.flatten(0, 1).index_select(0, slots)
+        if kv_bits is not None:
+            x = dequantize_kv(x, scale_cache.flatten(0, 1).index_select(0, slots), kv_bits, q.dtype)
+        return x.view(len(context_lens), longest, *x.shape[1:]).transpose(1, 2)  # [S, Hkv, L, D]
+
+    k = gather(k_cache, k_scale)
+    v = k[..., :dv] if v_cache is None else gather(v_cache, v_scale)
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return out.squeeze(2)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, block_tables: torch.Tensor,
                     query_start: list[int], context_lens: list[int], scale: float, *,
                     sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
@@ -48,8 +78,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_size = k_cache.shape[1]
     dv = v_head_dim or (v_cache.shape[-1] * (2 if kv_bits == 4 else 1) if v_cache is not None else q.shape[-1])
     out = q.new_empty(q.shape[0], q.shape[1], dv)
+    decodes = [s for s in range(len(context_lens)) if query_start[s + 1] - query_start[s] == 1]
+    if decodes:
+        rows = torch.tensor([query_start[s] for s in decodes], device=q.device)
+        picked = rows if len(decodes) < len(context_lens) else slice(None)
+        tables = block_tables if len(decodes) == len(context_lens) else block_tables[rows.new_tensor(decodes)]
+        out[picked] = _decode_batch(q[picked], k_cache, v_cache, k_scale, v_scale, tables,
+                                    [context_lens[s] for s in decodes], scale, sliding_window, kv_bits, dv)
     for s, ctx_len in enumerate(context_lens):
         start, end = query_start[s], query_start[s + 1]
+        if end - start == 1:
+            continue
         blocks = block_tables[s, : -(-ctx_len // block_size)]
         k = _gather(k_cache, k_scale, blocks, ctx_len, kv_bits, q.dtype)  # [ctx, Hkv, Dk]
         v = k[..., :dv] if v_cache is None else _gather(v_cache, v_scale, blocks, ctx_len, kv_bits, q.dtype)
