@@ -31,6 +31,15 @@ class TeacherForcing:
         return tokens, [None] * len(seqs)
 
 
+def generate_all(engine: LLMEngine, prompts, params):
+    """Runs prompts to completion; outputs in prompt order."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o) for o in engine.step())
+    return [done[i] for i in ids]
+
+
 def run_teacher_forced(engine: LLMEngine, prompts: list[list[int]], continuations: list[list[int]]):
     from unified.engine.sampling_params import SamplingParams
 

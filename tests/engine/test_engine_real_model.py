@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tests.engine.conftest import assert_no_block_leaks, make_engine
+from tests.engine.conftest import assert_no_block_leaks, generate_all, make_engine
 from unified.checkpoint import load_model
 from unified.engine.llm import _eos_ids, chat_prompt
 from unified.engine.sampling_params import SamplingParams
@@ -19,21 +19,13 @@ def smollm2(runtime, smollm2_checkpoint):
     return load_model(smollm2_checkpoint), tokenizer, _eos_ids(tokenizer, smollm2_checkpoint)
 
 
-def _run(engine, prompts, params):
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        done.update((o.request_id, o) for o in engine.step())
-    return [done[i] for i in ids]
-
-
 @torch.inference_mode()
 def test_greedy_tokens_match_the_plain_forward(smollm2):
     loaded, tokenizer, eos = smollm2
     model = loaded.model
     prompts = [chat_prompt(tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
     engine = make_engine(loaded, tokenizer, eos, num_blocks=64, block_size=16, max_num_batched_tokens=48)
-    outputs = _run(engine, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    outputs = generate_all(engine, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     compared = 0
     for prompt, output in zip(prompts, outputs):
         ids = torch.tensor([prompt + output.outputs[0].token_ids])
@@ -52,9 +44,9 @@ def test_stop_strings_end_the_text_before_the_stop(smollm2):
     loaded, tokenizer, eos = smollm2
     engine = make_engine(loaded, tokenizer, eos, num_blocks=32, block_size=16)
     prompt = chat_prompt(tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
-    full = _run(engine, [prompt], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
+    full = generate_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
     assert "Paris" in full.text and full.finish_reason == "stop"  # stopped by <|im_end|>
-    cut = _run(engine, [prompt], SamplingParams(temperature=0, max_tokens=20, stop=["Paris"]))[0].outputs[0]
+    cut = generate_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=20, stop=["Paris"]))[0].outputs[0]
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[:full.text.index("Paris")]
     assert_no_block_leaks(engine)

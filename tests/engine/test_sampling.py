@@ -2,20 +2,12 @@
 import pytest
 import torch
 
-from tests.engine.conftest import assert_no_block_leaks, make_engine
+from tests.engine.conftest import assert_no_block_leaks, generate_all, make_engine
 from unified.engine.sampler import _filter
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.sequence import Sequence
 
 PROMPT = list(range(3, 19))
-
-
-def _generate(engine, prompts, params):
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished():
-        done.update((o.request_id, o) for o in engine.step())
-    return [done[i] for i in ids]
 
 
 @pytest.fixture
@@ -25,16 +17,16 @@ def engine(tiny_models):
 
 def test_same_seed_same_output_whatever_the_batch(engine):
     params = SamplingParams(temperature=1.0, top_k=50, max_tokens=12, seed=7, ignore_eos=True)
-    alone = _generate(engine, [PROMPT], params)[0].outputs[0].token_ids
-    crowd = _generate(engine, [list(range(40, 70)), PROMPT, list(range(5, 9))], params)[1].outputs[0].token_ids
+    alone = generate_all(engine, [PROMPT], params)[0].outputs[0].token_ids
+    crowd = generate_all(engine, [list(range(40, 70)), PROMPT, list(range(5, 9))], params)[1].outputs[0].token_ids
     assert alone == crowd
-    other_seed = _generate(engine, [PROMPT], SamplingParams(temperature=1.0, max_tokens=12, seed=8, ignore_eos=True))
+    other_seed = generate_all(engine, [PROMPT], SamplingParams(temperature=1.0, max_tokens=12, seed=8, ignore_eos=True))
     assert other_seed[0].outputs[0].token_ids != alone
     assert_no_block_leaks(engine)
 
 
 def test_n_samples_differ_and_all_finish(engine):
-    out = _generate(engine, [PROMPT], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=1, ignore_eos=True))[0]
+    out = generate_all(engine, [PROMPT], SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=1, ignore_eos=True))[0]
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1
     assert all(len(o.token_ids) == 8 and o.finish_reason == "length" for o in out.outputs)
@@ -42,7 +34,7 @@ def test_n_samples_differ_and_all_finish(engine):
 
 def test_raw_logprobs_match_a_full_forward(engine, tiny_models):
     model = tiny_models("llama").model
-    out = _generate(engine, [PROMPT], SamplingParams(temperature=0.8, max_tokens=6, seed=3, logprobs=5,
+    out = generate_all(engine, [PROMPT], SamplingParams(temperature=0.8, max_tokens=6, seed=3, logprobs=5,
                                                      ignore_eos=True))[0].outputs[0]
     ids = torch.tensor([PROMPT + out.token_ids])
     with torch.inference_mode():
@@ -57,8 +49,8 @@ def test_raw_logprobs_match_a_full_forward(engine, tiny_models):
 
 
 def test_processed_logprobs_reflect_temperature(engine):
-    raw = _generate(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=3, logprobs=0))[0].outputs[0]
-    hot = _generate(engine, [PROMPT], SamplingParams(temperature=0.5, max_tokens=1, logprobs=0, seed=0,
+    raw = generate_all(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=3, logprobs=0))[0].outputs[0]
+    hot = generate_all(engine, [PROMPT], SamplingParams(temperature=0.5, max_tokens=1, logprobs=0, seed=0,
                                                      logprobs_mode="processed", top_k=1))[0].outputs[0]
     assert hot.token_ids[0] == raw.token_ids[0]  # top_k=1 keeps only the greedy token
     assert hot.logprobs[0].logprob == pytest.approx(0.0, abs=1e-6)
@@ -66,22 +58,22 @@ def test_processed_logprobs_reflect_temperature(engine):
 
 
 def test_stop_token_and_max_tokens(engine):
-    greedy = _generate(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
+    greedy = generate_all(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].outputs[0]
     stop_at = greedy.token_ids[3]
     first = greedy.token_ids.index(stop_at)
-    stopped = _generate(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]))[0]
+    stopped = generate_all(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_at]))[0]
     assert stopped.outputs[0].finish_reason == "stop"
     assert stopped.outputs[0].token_ids == greedy.token_ids[:first + 1]
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 8
 
 
 def test_penalties_discourage_repeats(engine):
-    plain = _generate(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
-    penalised = _generate(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+    plain = generate_all(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    penalised = generate_all(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                                                            frequency_penalty=2.0, presence_penalty=2.0))[0]
     repeats = lambda ids: len(ids) - len(set(ids))  # noqa: E731
     assert repeats(penalised.outputs[0].token_ids) < repeats(plain.outputs[0].token_ids)
-    repetition = _generate(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+    repetition = generate_all(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
                                                             repetition_penalty=5.0))[0]
     assert not set(repetition.outputs[0].token_ids) & set(PROMPT) or \
         repeats(repetition.outputs[0].token_ids) < repeats(plain.outputs[0].token_ids)

