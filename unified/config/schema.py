@@ -39,6 +39,7 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.5  # of the memory free after weights and a warm-up pass
     num_blocks: Optional[int] = None  # fixes the cache size in blocks, overriding both budgets
     max_model_len: Optional[int] = None  # None: the model's context length
+    packed_weights: bool = True  # CPU: keep MKL-packed weight copies (faster batched matmuls, more memory)
 
 
 @dataclass

@@ -58,6 +58,8 @@ class LLMEngine:
         self.config = model.config
         self.device, self.dtype = device, dtype
         self.eos_token_ids = set(eos_token_ids or ())
+        if engine_cfg.packed_weights:
+            model.pack_weights(engine_cfg.max_num_seqs)
         self.runner = ModelRunner(model, device)
         num_blocks = self._cache_blocks(accelerator)
         self.runner.cache = KVCache(self.config, num_blocks, engine_cfg.block_size, dtype, device,

@@ -14,13 +14,14 @@ so megatron's random initialisation is skipped unless asked for.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
 )
+
+import kernels
 
 
 def _tp_group():
@@ -45,7 +46,17 @@ def _normal_init(weight: torch.Tensor) -> None:
     torch.nn.init.normal_(weight, std=0.02)
 
 
-class ColumnLinear(ColumnParallelLinear):
+class PackableWeight:
+    """An inference engine may attach a pre-packed copy of the weight (see kernels.linear)."""
+
+    packed_weight: tuple[torch.Tensor, int] | None = None
+
+    def pack(self, rows: int) -> None:
+        packed = kernels.pack_linear_weight(self.weight, rows)
+        self.packed_weight = None if packed is None else (packed, rows)
+
+
+class ColumnLinear(PackableWeight, ColumnParallelLinear):
     """Output features split across tensor-parallel ranks; output stays split."""
 
     def __init__(self, in_features: int, out_features: int, config: ModelParallelConfig, bias: bool = False):
@@ -55,10 +66,10 @@ class ColumnLinear(ColumnParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size() > 1:
             x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)  # backward: all-reduce grads
-        return F.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias, self.packed_weight)
 
 
-class RowLinear(RowParallelLinear):
+class RowLinear(PackableWeight, RowParallelLinear):
     """Input features split across tensor-parallel ranks; output all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, config: ModelParallelConfig, bias: bool = False):
@@ -66,7 +77,7 @@ class RowLinear(RowParallelLinear):
                          input_is_parallel=True, skip_bias_add=False, tp_group=_tp_group())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = kernels.linear(x, self.weight, None, self.packed_weight)
         if self.tp_group.size() > 1:
             y = reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
         return y if self.bias is None else y + self.bias

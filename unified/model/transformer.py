@@ -7,8 +7,9 @@ with image features already merged at the placeholder positions.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+import kernels
 
 from unified.model.attention import GQAttention
 from unified.model.config import ModelConfig
@@ -16,7 +17,7 @@ from unified.model.mla import MLAttention
 from unified.model.mlp import GatedMLP
 from unified.model.moe import MoE
 from unified.model.norm import RMSNorm
-from unified.model.parallel_layers import ColumnLinear, VocabEmbedding, megatron_config
+from unified.model.parallel_layers import ColumnLinear, PackableWeight, VocabEmbedding, megatron_config
 from unified.model.rope import RotaryEmbedding
 
 
@@ -43,6 +44,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else ColumnLinear(config.hidden_size, config.vocab_size, mp)
+        self.tied_head_packed: tuple[torch.Tensor, int] | None = None
         self.rope = RotaryEmbedding(config.rope_parameters, config.rope_head_dim, config.max_position_embeddings,
                                     interleaved=bool(config.mla and config.mla.rope_interleave))
 
@@ -63,5 +65,15 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V/tp]: this rank's slice of the vocabulary."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed.weight)
+            return kernels.linear(hidden, self.embed.weight, None, self.tied_head_packed)
         return self.lm_head(hidden)
+
+    def pack_weights(self, rows: int) -> None:
+        """Attaches pre-packed copies of the big matmul weights for inference (see kernels.linear);
+        call again after the weights change."""
+        for module in self.modules():
+            if isinstance(module, PackableWeight):
+                module.pack(rows)
+        if self.lm_head is None:
+            packed = kernels.pack_linear_weight(self.embed.weight, rows)
+            self.tied_head_packed = None if packed is None else (packed, rows)
