@@ -80,14 +80,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, Hq, Dk] -> [T, Hq, Dv]."""
     block_size = k_cache.shape[1]
     dv = v_head_dim or (v_cache.shape[-1] * (2 if kv_bits == 4 else 1) if v_cache is not None else q.shape[-1])
-    out = q.new_empty(q.shape[0], q.shape[1], dv)
     decodes = [s for s in range(len(context_lens)) if query_start[s + 1] - query_start[s] == 1]
-    if decodes:
+    if len(decodes) == q.shape[0]:  # a pure decode step
+        return _decode_batch(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale,
+                             sliding_window, kv_bits, dv)
+    out = q.new_empty(q.shape[0], q.shape[1], dv)
+    if decodes:  # decodes mixed with prefill chunks
         rows = torch.tensor([query_start[s] for s in decodes], device=q.device)
-        picked = rows if len(decodes) < len(context_lens) else slice(None)
-        tables = block_tables if len(decodes) == len(context_lens) else block_tables[rows.new_tensor(decodes)]
-        out[picked] = _decode_batch(q[picked], k_cache, v_cache, k_scale, v_scale, tables,
-                                    [context_lens[s] for s in decodes], scale, sliding_window, kv_bits, dv)
+        out[rows] = _decode_batch(q[rows], k_cache, v_cache, k_scale, v_scale, block_tables[rows.new_tensor(decodes)],
+                                  [context_lens[s] for s in decodes], scale, sliding_window, kv_bits, dv)
     for s, ctx_len in enumerate(context_lens):
         start, end = query_start[s], query_start[s + 1]
         if end - start == 1:

@@ -65,13 +65,12 @@ class GQAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
-        q = q.view(b, s, self.num_heads, self.head_dim)
-        k = k.view(b, s, self.num_kv_heads, self.head_dim)
-        v = v.view(b, s, self.num_kv_heads, self.head_dim)
+        heads = self.num_heads + 2 * self.num_kv_heads
+        qkv = self.qkv_proj(x).view(b, s, heads, self.head_dim)
+        qk, v = qkv[:, :, :self.num_heads + self.num_kv_heads], qkv[:, :, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
+        q, k = rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=2)  # one rotation for q and k
         out = attend(self.layer, q, k, v, self.scale, self.sliding_window)  # [B, S, Hq, D]
         return self.o_proj(out.reshape(b, s, -1))
