@@ -45,7 +45,7 @@ def _read_part(ckpt: SafetensorsCheckpoint, name: str, split: int | None, rank: 
         raise CheckpointError(f"tensor {name!r} ({ckpt.file_of(name).name}) has {full[split]} rows along "
                               f"dimension {split}, which tensor parallel size {size} does not divide")
     chunk = full[split] // size
-    view = ckpt._open(ckpt.file_of(name)).get_slice(name)
+    view = ckpt.get_slice(name)
     return view[rank * chunk:(rank + 1) * chunk] if split == 0 else view[:, rank * chunk:(rank + 1) * chunk]
 
 

@@ -86,8 +86,12 @@ class SafetensorsCheckpoint:
             raise CheckpointError(f"cannot read tensor {name!r} from {path} ({err}); the file may be "
                                   f"corrupt: re-download or re-export it") from err
 
+    def get_slice(self, name: str):
+        """A lazy view of tensor `name`: index it to read only those bytes."""
+        return self._open(self.file_of(name)).get_slice(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._open(self.file_of(name)).get_slice(name).get_shape())
+        return tuple(self.get_slice(name).get_shape())
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], directory: str | Path,

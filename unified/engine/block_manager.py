@@ -130,9 +130,3 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table = []
         seq.num_hashed_blocks = 0
-
-    def usage(self) -> float:
-        return 1 - self.num_free_blocks / self.num_blocks
-
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0

@@ -165,7 +165,7 @@ class LLMEngine:
                 seq.logprobs.append(entry)
             self._check_stop(seq, token)
             touched.add(seq.request_id)
-        return [self._output(rid, finished=True) for rid in touched if self._finished(rid)]
+        return [self._pop_output(rid) for rid in touched if self._finished(rid)]
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -197,7 +197,7 @@ class LLMEngine:
         return CompletionOutput(seq.index, text, seq.output_token_ids, seq.finish_reason,
                                 seq.logprobs if seq.params.logprobs is not None else None)
 
-    def _output(self, request_id: str, finished: bool) -> RequestOutput:
-        request = self.requests.pop(request_id) if finished else self.requests[request_id]
+    def _pop_output(self, request_id: str) -> RequestOutput:
+        request = self.requests.pop(request_id)
         return RequestOutput(request_id, request.prompt_token_ids, [self._completion(s) for s in request.seqs],
-                             finished, max(s.num_cached_prompt_tokens for s in request.seqs))
+                             True, max(s.num_cached_prompt_tokens for s in request.seqs))

@@ -35,7 +35,6 @@ class Sequence:
         self.logprobs: list[dict] = []
         self.generator = torch.Generator().manual_seed(seed)
         self.output_counts: dict[int, int] = {}
-        self.text_offset = 0  # characters of output text already handed out (streaming)
 
     @property
     def num_tokens(self) -> int:
