@@ -35,3 +35,21 @@ def test_export_writes_sharded_index_that_loads(runtime, tiny_checkpoint, tmp_pa
     a, b = load_model(source).model, load_model(tmp_path).model
     with torch.inference_mode():
         assert torch.equal(a.logits(a(ids, positions)), b.logits(b(ids, positions)))
+
+
+def test_tensor_parallel_rank_reads_only_its_slice(runtime, tiny_checkpoint):
+    from unified.checkpoint.hf_names import parameter_map
+    from unified.checkpoint.loader import _assemble
+    from unified.checkpoint.safetensors_io import SafetensorsCheckpoint
+
+    path = tiny_checkpoint("llama")
+    ckpt = SafetensorsCheckpoint(path)
+    config = load_model(path).config
+    params = {p.ours: p for p in parameter_map(config)}
+    gate_up = params["layers.0.mlp.gate_up_proj.weight"]
+    down = params["layers.0.mlp.down_proj.weight"]
+    gate, up = (ckpt.get(n) for n in gate_up.rows[0])
+    for rank in range(2):
+        expected = torch.cat((gate.chunk(2, 0)[rank], up.chunk(2, 0)[rank]), 0)  # [gate_r | up_r]
+        assert torch.equal(_assemble(ckpt, gate_up, rank, 2), expected)
+        assert torch.equal(_assemble(ckpt, down, rank, 2), ckpt.get(down.rows[0][0]).chunk(2, 1)[rank])
