@@ -17,16 +17,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import dequantize_kv
+from kernels.kv_quant import dequantize_kv, quantize_kv
+
+
+def _select(cache: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, bits: int | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    """Rows `index` of a cache (blocks or flat slots), dequantised if the cache is quantised."""
+    x = cache.index_select(0, index)
+    return x if bits is None else dequantize_kv(x, scale.index_select(0, index), bits, dtype)
 
 
 def _gather(cache: torch.Tensor, scale: torch.Tensor | None, blocks: torch.Tensor, length: int, bits: int | None,
             dtype: torch.dtype) -> torch.Tensor:
-    x = cache.index_select(0, blocks).flatten(0, 1)[:length]  # [ctx, H, D or D/2]
-    if bits is None:
-        return x
-    s = scale.index_select(0, blocks).flatten(0, 1)[:length]
-    return dequantize_kv(x, s, bits, dtype)
+    return _select(cache, scale, blocks, bits, dtype).flatten(0, 1)[:length]  # [ctx, H, D]
 
 
 def _mask(q_len: int, ctx_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
@@ -57,9 +60,8 @@ def _decode_batch(q: torch.Tensor, k_cache, v_cache, k_scale, v_scale, block_tab
     slots = slots.masked_fill(~valid, 0).flatten()
 
     def gather(cache, scale_cache):
-        x = cache.flatten(0, 1).index_select(0, slots)
-        if kv_bits is not None:
-            x = dequantize_kv(x, scale_cache.flatten(0, 1).index_select(0, slots), kv_bits, q.dtype)
+        x = _select(cache.flatten(0, 1), None if scale_cache is None else scale_cache.flatten(0, 1), slots, kv_bits,
+                    q.dtype)
         return x.view(len(context_lens), longest, *x.shape[1:]).transpose(1, 2)  # [S, Hkv, L, D]
 
     k = gather(k_cache, k_scale)
@@ -112,8 +114,6 @@ def write_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Ten
     if kv_bits is None:
         flat.index_copy_(0, slots, x.to(cache.dtype))
         return
-    from kernels.kv_quant import quantize_kv
-
     values, scale = quantize_kv(x, kv_bits)
     flat.index_copy_(0, slots, values)
     scale_cache.view(-1, *scale_cache.shape[2:]).index_copy_(0, slots, scale)

@@ -50,7 +50,7 @@ class KVCache:
                  device: torch.device, kv_cache_dtype: str = "auto", tp_size: int = 1):
         self.bits = kv_bits_of(kv_cache_dtype)
         self.shape = CacheShape.of(config, tp_size)
-        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.num_blocks, self.block_size = num_blocks, block_size
         storage_dtype = dtype if self.bits is None else (torch.int8 if self.bits == 8 else torch.uint8)
         dim = kernels.packed_dim(self.shape.dim, self.bits)
         shape = (num_blocks, block_size, self.shape.heads, dim)

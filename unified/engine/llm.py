@@ -1,10 +1,9 @@
 """Offline API: `LLM(model).generate(prompts, SamplingParams(...))`, and `chat()` with the chat template.
 
-Also `build_engine`, which the recipes share: runtime, model, tokenizer and engine from configs.
+`LLM.from_run_config(cfg)` builds the same from a recipe's composed config (runtime, model,
+tokenizer, engine), which is how the recipes get theirs.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from unified.checkpoint import load_model
 from unified.checkpoint.builtin import resolve_model
@@ -12,13 +11,6 @@ from unified.config.schema import DeviceConfig, EngineConfig, ParallelConfig
 from unified.engine.llm_engine import LLMEngine, RequestOutput
 from unified.engine.sampling_params import SamplingParams
 from unified.runtime import start_runtime
-
-
-@dataclass
-class EngineBundle:
-    engine: LLMEngine
-    tokenizer: object
-    path: object
 
 
 def _eos_ids(tokenizer, path) -> set[int]:
@@ -34,16 +26,15 @@ def _eos_ids(tokenizer, path) -> set[int]:
 
 
 def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, engine: EngineConfig,
-                 seed: int = 0) -> EngineBundle:
+                 seed: int = 0) -> LLMEngine:
     from transformers import AutoTokenizer
 
     runtime = start_runtime(device, parallel, seed)
     path = resolve_model(model)
     loaded = load_model(path, runtime.device, runtime.dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    llm_engine = LLMEngine(loaded.model, tokenizer, engine, runtime.device, runtime.dtype, runtime.accelerator,
-                           _eos_ids(tokenizer, path))
-    return EngineBundle(llm_engine, tokenizer, path)
+    return LLMEngine(loaded.model, tokenizer, engine, runtime.device, runtime.dtype, runtime.accelerator,
+                     _eos_ids(tokenizer, path))
 
 
 def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
@@ -56,8 +47,17 @@ def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
 class LLM:
     def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto", seed: int = 0,
                  **engine_options):
-        bundle = build_engine(model, DeviceConfig(device, dtype), ParallelConfig(), EngineConfig(**engine_options), seed)
-        self.engine, self.tokenizer = bundle.engine, bundle.tokenizer
+        self._use(build_engine(model, DeviceConfig(device, dtype), ParallelConfig(), EngineConfig(**engine_options),
+                               seed))
+
+    @classmethod
+    def from_run_config(cls, cfg) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._use(build_engine(cfg.model, cfg.device, cfg.parallel, cfg.engine, cfg.seed))
+        return llm
+
+    def _use(self, engine: LLMEngine) -> None:
+        self.engine, self.tokenizer = engine, engine.tokenizer
 
     def generate(self, prompts: str | list[str] | list[list[int]], sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

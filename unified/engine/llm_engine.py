@@ -81,10 +81,10 @@ class LLMEngine:
 
     def _cache_blocks(self, accelerator) -> int:
         cfg = self.cfg
-        per_token = CacheShape.of(self.config).bytes_per_token(self.config.num_layers, self.dtype,
-                                                               kv_bits_of(cfg.kv_cache_dtype))
         if cfg.num_blocks:
             return cfg.num_blocks
+        per_token = CacheShape.of(self.config).bytes_per_token(self.config.num_layers, self.dtype,
+                                                               kv_bits_of(cfg.kv_cache_dtype))
         if cfg.kv_cache_bytes:
             budget = cfg.kv_cache_bytes
         else:

@@ -40,9 +40,6 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free_sequence(seq)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import itertools
 
 import torch
 
@@ -16,11 +15,8 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    _ids = itertools.count()
-
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
                  seed: int):
-        self.seq_id = next(Sequence._ids)
         self.request_id = request_id
         self.index = index  # which of the request's n samples
         self.token_ids = list(prompt_token_ids)
@@ -32,7 +28,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks already published to the prefix cache
         self.finish_reason: str | None = None
-        self.logprobs: list[dict] = []
+        self.logprobs: list = []  # sampler.TokenLogprob per output token, when asked for
         self.generator = torch.Generator().manual_seed(seed)
         self.output_counts: dict[int, int] = {}
 

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from unified.engine.llm import build_engine, chat_prompt
+from unified.engine.llm import LLM, chat_prompt
 from unified.engine.llm_engine import RequestOutput
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.errors import UserError
@@ -82,8 +82,8 @@ def run(cfg) -> None:
         raise UserError(f"input={source} does not exist")
     done = _completed_ids(target)
     lines = source.read_text().splitlines()
-    bundle = build_engine(cfg.model, cfg.device, cfg.parallel, cfg.engine, cfg.seed)
-    engine, in_flight_cap = bundle.engine, 4 * cfg.engine.max_num_seqs
+    llm = LLM.from_run_config(cfg)
+    engine, in_flight_cap = llm.engine, 4 * cfg.engine.max_num_seqs
     pending = iter(enumerate(lines, start=1))
     skipped = errors = 0
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -95,7 +95,7 @@ def run(cfg) -> None:
                     bar.update(1)
                     continue
                 try:
-                    request_id, ids, params = _parse(line, lineno, bundle.tokenizer)
+                    request_id, ids, params = _parse(line, lineno, llm.tokenizer)
                     if request_id in done:
                         skipped += 1
                         bar.update(1)
