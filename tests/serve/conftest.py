@@ -1,0 +1,90 @@
+"""Real servers (`python -m unified recipe=serve`) in subprocesses on free loopback ports."""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: Path, *overrides: str, env: dict | None = None):
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.model_name = model.name
+        self.log = tempfile.NamedTemporaryFile(prefix="unified-serve-", suffix=".log", delete=False)
+        self.cwd = tempfile.mkdtemp(prefix="unified-serve-cwd-")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "unified", "recipe=serve", f"model={model}", f"port={self.port}", *overrides],
+            cwd=self.cwd, stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text()
+
+    def wait_listening(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited early:\n{self.output()}"
+            try:
+                httpx.get(self.base_url + "/health", timeout=2)
+                return
+            except httpx.TransportError:
+                time.sleep(0.05)
+        raise TimeoutError(f"server did not listen within {timeout}s:\n{self.output()}")
+
+    def wait_ready(self, timeout: float = 180) -> None:
+        self.wait_listening(timeout)
+        deadline = time.monotonic() + timeout
+        while httpx.get(self.base_url + "/health", timeout=5).status_code != 200:
+            assert self.proc.poll() is None, f"server exited early:\n{self.output()}"
+            assert time.monotonic() < deadline, f"server not ready within {timeout}s:\n{self.output()}"
+            time.sleep(0.1)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.base_url + "/metrics", timeout=5).text
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+        assert match, f"{name} not in /metrics"
+        return float(match.group(1))
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        assert not os.listdir(self.cwd), f"the server cluttered its working directory: {os.listdir(self.cwd)}"
+        return self.proc.returncode
+
+
+# A tiny model with small limits, so fuzzed and concurrent requests stay fast.
+TINY_SERVER_OPTIONS = ("engine.num_blocks=512", "serve.max_tokens=64", "serve.default_max_tokens=16", "serve.max_n=4",
+                       "serve.max_messages=8", "serve.max_body_bytes=65536")
+
+
+@pytest.fixture(scope="session")
+def server(tiny_chat_checkpoint):
+    """A ready server on the tiny chat model (no API key)."""
+    process = ServerProcess(tiny_chat_checkpoint, *TINY_SERVER_OPTIONS, env={"UNIFIED_API_KEY": ""})
+    try:
+        process.wait_ready()
+        yield process
+    finally:
+        assert process.stop() == 0, process.output()

@@ -1,0 +1,119 @@
+"""The server through the official `openai` client: chat and completions, streaming, logprobs, n > 1, seeds."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from openai import OpenAI
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_lists_the_served_model(client, server):
+    assert [m.id for m in client.models.list().data] == [server.model_name]
+
+
+def test_chat_completion(client, server):
+    response = client.chat.completions.create(model=server.model_name, messages=MESSAGES, max_tokens=12,
+                                              temperature=0, extra_body={"ignore_eos": True})
+    choice = response.choices[0]
+    assert response.object == "chat.completion" and response.model == server.model_name
+    assert choice.message.role == "assistant" and choice.message.content
+    assert choice.finish_reason == "length"
+    assert response.usage.completion_tokens == 12
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 12
+
+
+def test_streamed_chat_equals_the_whole_answer(client, server):
+    options = dict(model=server.model_name, messages=MESSAGES, max_completion_tokens=20, temperature=0,
+                   extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(**options).choices[0].message.content
+    chunks = list(client.chat.completions.create(**options, stream=True, stream_options={"include_usage": True}))
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert sum(1 for p in pieces if p) > 1, "the answer arrived in one piece, not streamed"
+    assert "".join(pieces) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+
+
+def test_completion_and_stream(client, server):
+    options = dict(model=server.model_name, prompt="The weather today is", max_tokens=10, temperature=0,
+                   extra_body={"ignore_eos": True})
+    whole = client.completions.create(**options)
+    assert whole.object == "text_completion" and whole.usage.completion_tokens == 10
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**options, stream=True) if c.choices)
+    assert streamed == whole.choices[0].text
+    echoed = client.completions.create(**options, echo=True).choices[0].text
+    assert echoed == "The weather today is" + whole.choices[0].text
+
+
+def test_chat_logprobs(client, server):
+    response = client.chat.completions.create(model=server.model_name, messages=MESSAGES, max_tokens=6,
+                                              temperature=0, logprobs=True, top_logprobs=3,
+                                              extra_body={"ignore_eos": True})
+    content = response.choices[0].logprobs.content
+    assert len(content) == 6
+    assert "".join(entry.token for entry in content) == response.choices[0].message.content
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        # greedy: the chosen token is the most likely one
+        assert math.isclose(entry.logprob, entry.top_logprobs[0].logprob, abs_tol=1e-5)
+        assert entry.bytes == list(entry.token.encode())
+
+
+def test_completion_logprobs(client, server):
+    response = client.completions.create(model=server.model_name, prompt="One, two,", max_tokens=5, temperature=0,
+                                         logprobs=2, extra_body={"ignore_eos": True})
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs) == 5
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+
+
+def test_n_samples_and_seeds(client, server):
+    options = dict(model=server.model_name, messages=MESSAGES, max_tokens=16, temperature=1.0, n=3, seed=1234,
+                   extra_body={"ignore_eos": True})
+    first = client.chat.completions.create(**options)
+    again = client.chat.completions.create(**options)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert texts == [c.message.content for c in again.choices], "the same seed must give the same samples"
+    assert len(set(texts)) > 1, "the n samples should differ"
+    assert first.usage.completion_tokens == 48
+
+    streamed = {}
+    for chunk in client.chat.completions.create(**options, stream=True):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert [streamed[i] for i in range(3)] == texts
+
+
+def test_stop_strings_cut_the_text(client, server):
+    options = dict(model=server.model_name, prompt="Count: 1 2 3", max_tokens=24, temperature=0,
+                   extra_body={"ignore_eos": True})
+    text = client.completions.create(**options).choices[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip(), f"no usable stop string in {text!r}"
+    cut = client.completions.create(**options, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == text[:text.index(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**options, stop=[stop], stream=True)
+                       if c.choices)
+    assert streamed == cut.choices[0].text
+
+
+def test_chat_answers_with_the_model_chat_template(client, server):
+    """A multi-turn conversation with every role goes through the tokenizer's own template."""
+    response = client.chat.completions.create(
+        model=server.model_name, max_tokens=4, temperature=0,
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello!"},
+                  {"role": "user", "content": [{"type": "text", "text": "Again"}]}], user="tester")
+    assert response.usage.prompt_tokens > 20  # the template's role markers are in the prompt

@@ -1,0 +1,177 @@
+"""The FastAPI application: OpenAI routes, health, metrics, the playground page, and the guards around them.
+
+Guards run as one plain ASGI middleware (so streaming and disconnect detection are untouched): the body
+size limit, the optional bearer token for `/v1/*`, and the request counter by status. Every error a client
+can cause is answered in the OpenAI error shape with a 4xx; anything else is logged and answered 500.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from contextlib import asynccontextmanager
+from importlib import resources
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+
+from unified.serve.errors import APIError
+from unified.serve.metrics import ServerMetrics
+from unified.serve.openai_api import router as openai_router
+from unified.serve.startup import Startup
+
+log = logging.getLogger(__name__)
+
+
+class ServerState:
+    def __init__(self, cfg):
+        self.cfg, self.limits = cfg, cfg.serve
+        self.model_name = cfg.serve.model_name or Path(str(cfg.model)).name
+        self.metrics = ServerMetrics()
+        self.startup = Startup()
+        self.api_key = os.environ.get(cfg.serve.api_key_env) or None
+
+    def require_ready(self):
+        if not self.startup.ready:
+            raise APIError(f"the server is starting ({self.startup.phase}); retry shortly", status=503,
+                           type="server_unavailable", headers={"Retry-After": str(self.limits.retry_after_s)})
+        return self.startup.loop
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(f"the model {name!r} does not exist here; this server serves {self.model_name!r} "
+                           f"(see GET /v1/models)", status=404, param="model", code="model_not_found")
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
+    first = err.errors()[0]
+    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    if first.get("type") == "extra_forbidden":
+        return f"unknown field {'.'.join(where)!r}; see the OpenAPI document at /openapi.json", where[-1] if where else None
+    field = ".".join(where) or "body"
+    return f"{field}: {first.get('msg')}", where[0] if where else None
+
+
+class Guards:
+    """Body size limit, bearer-token check on /v1/*, and the request counter."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in _ENDPOINTS else "other"
+        status = {"code": 500}
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            refusal = self._refusal(scope, path)
+            if refusal is not None:
+                return await _error_response(refusal)(scope, receive, counting_send)
+            await self.app(scope, self._limited(receive), counting_send)
+        finally:
+            self.state.metrics.requests.labels(endpoint, str(status["code"])).inc()
+
+    def _refusal(self, scope, path: str) -> APIError | None:
+        headers = dict(scope["headers"])
+        limit = self.state.limits.max_body_bytes
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > limit:
+            return APIError(f"the request body is larger than {limit} bytes (serve.max_body_bytes)", status=413)
+        if self.state.api_key and path.startswith("/v1/"):
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.state.api_key}".encode()):
+                return APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401,
+                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        return None
+
+    def _limited(self, receive):
+        limit, seen = self.state.limits.max_body_bytes, 0
+
+        async def receive_limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise APIError(f"the request body is larger than {limit} bytes (serve.max_body_bytes)", status=413)
+            return message
+
+        return receive_limited
+
+
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/"}
+
+
+def create_app(cfg) -> FastAPI:
+    state = ServerState(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.startup.start(cfg, state.metrics.engine_step)
+        yield
+        if state.startup.loop is not None:
+            state.startup.loop.stop(timeout=cfg.serve.shutdown_timeout_s)
+
+    app = FastAPI(title="unified", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible serving of the shared model definition.")
+    app.state.server = state
+    app.add_middleware(Guards, state=state)
+    app.include_router(openai_router)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError):
+        return _error_response(err)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, err: RequestValidationError):
+        message, param = _validation_message(err)
+        return _error_response(APIError(message, param=param))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return _error_response(APIError(f"internal error ({type(err).__name__}); the server log has details",
+                                        status=500, type="server_error"))
+
+    @app.get("/health")
+    async def health():
+        report = state.startup.report()
+        if state.startup.ready:
+            report["model"] = state.model_name
+            return JSONResponse(report)
+        return JSONResponse(report, status_code=503, headers={"Retry-After": str(cfg.serve.retry_after_s)})
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "unified", "max_model_len": _context(state)}]}
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground():
+        return HTMLResponse(resources.files("unified.serve").joinpath("static/index.html").read_text())
+
+    return app
+
+
+def _context(state: ServerState) -> int | None:
+    return state.startup.loop.engine.max_model_len if state.startup.ready else None
+

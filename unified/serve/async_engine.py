@@ -1,0 +1,180 @@
+"""The engine loop on its own thread, feeding asyncio request handlers.
+
+The HTTP side never touches the engine: it posts `add` and `abort` messages to an inbox that the engine
+thread drains between steps, and receives per-request updates (new tokens of each of the n sequences,
+then the final output) on an asyncio queue. The first message a request receives says whether the engine
+accepted it, so a handler can answer 400 before it starts a stream. A request whose consumer goes away
+(client disconnect) is aborted, which frees its KV blocks at the next step boundary.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from unified.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from unified.engine.sampler import TokenLogprob
+from unified.engine.sampling_params import InvalidRequest, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Delta:
+    """New tokens of one of a request's sequences since the previous update."""
+    index: int
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool  # the sequence ended with these tokens; its text comes with the final output
+
+
+@dataclass
+class Update:
+    deltas: list[Delta]
+    final: RequestOutput | None = None  # set on the last update
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent: list[int] = field(default_factory=list)  # output tokens already delivered, per sequence
+    seqs: list = field(default_factory=list)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_step=None):
+        """`on_step(stats, new_tokens, step_seconds)` is called on the engine thread after each step."""
+        self.engine = engine
+        self._on_step = on_step
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._streams: dict[str, _Stream] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.stats: EngineStats = engine.stats()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # Called from the event loop ----------------------------------------------------------------------
+
+    async def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Queues a request; returns its update queue once the engine accepted it, or raises InvalidRequest."""
+        stream = _Stream(request_id, prompt, params, asyncio.get_running_loop())
+        self._post(("add", stream))
+        accepted = await stream.queue.get()
+        if isinstance(accepted, Exception):
+            raise accepted
+        return stream.queue
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def cancel_all(self, reason: str) -> None:
+        """Ends every in-flight request with an error that says `reason` (used at the shutdown deadline)."""
+        self._post(("cancel_all", reason))
+
+    def _post(self, message) -> None:
+        self._inbox.put(message)
+        self._wake.set()
+
+    # The engine thread -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._drain_inbox()
+            if not engine.has_unfinished():
+                self._publish_stats(0, 0.0)
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            start = time.perf_counter()
+            try:
+                finished = engine.step()
+            except Exception as err:  # a bug, not bad input: fail what is in flight, keep serving
+                log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
+                self._fail_all(err)
+                continue
+            self._publish(finished, time.perf_counter() - start)
+        self._fail_all(RuntimeError("the server is shutting down"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(payload)
+            elif kind == "cancel_all":
+                self._fail_all(RuntimeError(payload))
+            elif payload in self._streams:
+                del self._streams[payload]
+                self.engine.abort(payload)
+
+    def _add(self, stream: _Stream) -> None:
+        try:
+            self.engine.add_request(stream.prompt, stream.params, stream.request_id)
+        except InvalidRequest as err:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
+            return
+        stream.seqs = self.engine.sequences(stream.request_id)
+        stream.sent = [0] * len(stream.seqs)
+        self._streams[stream.request_id] = stream
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, True)
+
+    def _publish(self, finished: list[RequestOutput], seconds: float) -> None:
+        done = {output.request_id: output for output in finished}
+        new_tokens = 0
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, stream in list(self._streams.items()):
+            deltas = []
+            for i, seq in enumerate(stream.seqs):
+                outputs = seq.output_token_ids
+                if len(outputs) > stream.sent[i]:
+                    start = stream.sent[i]
+                    logprobs = seq.logprobs[start:] if seq.params.logprobs is not None else None
+                    deltas.append(Delta(i, outputs[start:], logprobs, seq.is_finished))
+                    new_tokens += len(outputs) - start
+                    stream.sent[i] = len(outputs)
+            final = done.get(request_id)
+            if final is not None:
+                del self._streams[request_id]
+            if deltas or final is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, Update(deltas, final)))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+        self._publish_stats(new_tokens, seconds)
+
+    def _publish_stats(self, new_tokens: int, seconds: float) -> None:
+        self.stats = self.engine.stats()
+        if self._on_step:
+            self._on_step(self.stats, new_tokens, seconds)
+
+    def _fail_all(self, err: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort(request_id)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
+        self._streams.clear()
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Update]]) -> None:
+    for q, update in items:
+        q.put_nowait(update)

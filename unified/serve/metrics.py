@@ -1,0 +1,59 @@
+"""Prometheus metrics of one server, in their own registry (so tests can run several servers in one process).
+
+Request-level figures (status codes, time to first token, time per output token, token counts) are
+recorded by the HTTP handlers; engine-level gauges (running/waiting requests, KV-cache use, prefix-cache
+hit rate, fragmentation) are refreshed by the engine thread after every step.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+from unified.engine.llm_engine import EngineStats
+
+disable_created_metrics()  # the `*_created` timestamp series only add noise to every scrape
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("unified_requests", "HTTP requests answered, by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.running = Gauge("unified_num_requests_running", "Requests with sequences in the running batch", registry=r)
+        self.waiting = Gauge("unified_num_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.ttft = Histogram("unified_time_to_first_token_seconds", "Time from arrival to the first output token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("unified_time_per_output_token_seconds", "Time between output tokens of a request",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("unified_request_latency_seconds", "Time from arrival to the last token",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.finished = Counter("unified_requests_finished", "Generation requests ended, by reason (stop, length, "
+                                "abort: the client went away or shutdown cancelled it)", ["reason"], registry=r)
+        self.prompt_tokens = Counter("unified_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter("unified_generation_tokens", "Tokens generated", registry=r)
+        self.kv_usage = Gauge("unified_kv_cache_usage_ratio", "KV-cache blocks in use over all blocks", registry=r)
+        self.kv_used_blocks = Gauge("unified_kv_cache_used_blocks", "KV-cache blocks held by sequences", registry=r)
+        self.kv_total_blocks = Gauge("unified_kv_cache_total_blocks", "KV-cache blocks in all", registry=r)
+        self.fragmentation = Gauge("unified_kv_cache_fragmentation_ratio",
+                                   "Allocated but unfilled KV slots over allocated slots", registry=r)
+        self.prefix_hit_rate = Gauge("unified_prefix_cache_hit_rate",
+                                     "Prompt tokens found in the prefix cache over tokens looked up", registry=r)
+        self.preemptions = Gauge("unified_num_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
+        self.step_seconds = Histogram("unified_engine_step_seconds", "Duration of one engine step",
+                                      buckets=_LATENCY_BUCKETS, registry=r)
+
+    def engine_step(self, stats: EngineStats, new_tokens: int, seconds: float) -> None:
+        self.running.set(stats.running_requests)
+        self.waiting.set(stats.waiting_requests)
+        self.kv_usage.set(stats.kv_usage)
+        self.kv_used_blocks.set(stats.used_blocks)
+        self.kv_total_blocks.set(stats.total_blocks)
+        self.fragmentation.set(stats.fragmentation)
+        self.prefix_hit_rate.set(stats.prefix_hit_rate)
+        self.preemptions.set(stats.preemptions)
+        if new_tokens:
+            self.generation_tokens.inc(new_tokens)
+            self.step_seconds.observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
