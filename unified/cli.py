@@ -18,6 +18,7 @@ JOBS = {
     "demo": "unified.jobs.demo",
     "check_parity": "unified.jobs.check_parity",
     "batch": "unified.jobs.batch",
+    "serve": "unified.jobs.serve",
 }
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -55,7 +56,9 @@ def _assemble(ckpt: SafetensorsCheckpoint, param: Param, rank: int, size: int) -
     return torch.stack(rows) if param.stacked else rows[0]
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               progress: Callable[[int, int], None] | None = None) -> LoadedModel:
+    """`progress(done, total)` is called after each model tensor is filled (servers report it while starting)."""
     path = Path(path)
     hf = read_hf_config(path)
     config = model_config_from_hf(hf)
@@ -65,8 +68,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     rank, size = _tp_rank_size()
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     filled = set()
+    params = parameter_map(config)
     with torch.no_grad():
-        for param in parameter_map(config):
+        for done, param in enumerate(params, start=1):
             tensor = _assemble(ckpt, param, rank, size)
             target = targets[param.ours]
             if tuple(tensor.shape) != tuple(target.shape):
@@ -76,6 +80,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
                                       f"config.json and the weights disagree")
             target.copy_(tensor)
             filled.add(param.ours)
+            if progress:
+                progress(done, len(params))
     unfilled = [n for n in dict(model.named_parameters()) if n not in filled]
     assert not unfilled, f"parameters not covered by the HF name map: {unfilled}"
     model.eval()

@@ -43,6 +43,20 @@ class EngineConfig:
 
 
 @dataclass
+class ServeConfig:
+    model_name: Optional[str] = None  # the name clients send as `model`; None: the model folder's name
+    api_key_env: str = "UNIFIED_API_KEY"  # environment variable holding the bearer token; unset: no auth
+    max_body_bytes: int = 1_048_576
+    max_tokens: int = 4096  # the largest max_tokens a request may ask for
+    default_max_tokens: int = 512  # when a chat request gives none (capped by the context left)
+    max_n: int = 8
+    max_messages: int = 256
+    warm_up: bool = True  # run representative batch shapes before reporting ready
+    retry_after_s: int = 5  # Retry-After sent with 503 while starting
+    shutdown_timeout_s: float = 10.0  # in-flight requests get this long after SIGTERM, then are cancelled
+
+
+@dataclass
 class GenerationConfig:
     max_new_tokens: int = 128
     system_prompt: Optional[str] = None
@@ -71,6 +85,7 @@ class RunConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     check: ParityCheckConfig = field(default_factory=ParityCheckConfig)
 
 
@@ -82,3 +97,4 @@ def register_schemas() -> None:
     store.store(group="device", name="device_schema", node=DeviceConfig)
     store.store(group="parallel", name="parallel_schema", node=ParallelConfig)
     store.store(group="engine", name="engine_schema", node=EngineConfig)
+    store.store(group="serve", name="serve_schema", node=ServeConfig)

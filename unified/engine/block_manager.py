@@ -120,6 +120,17 @@ class BlockManager:
             parent = block.hash
             seq.num_hashed_blocks = i + 1
 
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached prefix (after a warm-up or a weight swap, their K/V are stale)."""
+        self.cached.clear()
+        for block_id in self.free:
+            self.blocks[block_id].hash, self.blocks[block_id].token_ids = None, []
+        self.hit_tokens = self.queried_tokens = 0
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
     def free_sequence(self, seq: Sequence) -> None:
         # Tail blocks first, so under memory pressure the shared prefixes are evicted last.
         for block_id in reversed(seq.block_table):

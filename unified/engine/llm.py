@@ -26,12 +26,13 @@ def _eos_ids(tokenizer, path) -> set[int]:
 
 
 def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, engine: EngineConfig,
-                 seed: int = 0) -> LLMEngine:
+                 seed: int = 0, weights_progress=None) -> LLMEngine:
+    """`weights_progress(done, total)` follows the weight loading (see `load_model`)."""
     from transformers import AutoTokenizer
 
     runtime = start_runtime(device, parallel, seed)
     path = resolve_model(model)
-    loaded = load_model(path, runtime.device, runtime.dtype)
+    loaded = load_model(path, runtime.device, runtime.dtype, weights_progress)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LLMEngine(loaded.model, tokenizer, engine, runtime.device, runtime.dtype, runtime.accelerator,
                      _eos_ids(tokenizer, path))

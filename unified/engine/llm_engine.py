@@ -44,6 +44,21 @@ class RequestOutput:
 
 
 @dataclass
+class EngineStats:
+    running_requests: int
+    waiting_requests: int
+    used_blocks: int
+    total_blocks: int
+    fragmentation: float  # allocated-but-unfilled slots over allocated slots
+    prefix_hit_rate: float  # prompt tokens found in the prefix cache over tokens looked up
+    preemptions: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.used_blocks / self.total_blocks
+
+
+@dataclass
 class _Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -103,6 +118,49 @@ class LLMEngine:
         ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
         self.model.logits(self.model(ids, torch.arange(tokens, device=self.device))[:, -1])
 
+    def warm_up_shapes(self) -> list[tuple[int, int]]:
+        """(sequences, prompt tokens) batches covering the step shapes serving sees: long and short
+        prefills, then decode batches from one sequence to the step's limit, as far as the cache holds them."""
+        cfg, longest = self.cfg, self.max_model_len - 2
+        prefills = [(1, min(n, longest)) for n in (16, 256, cfg.max_num_batched_tokens)]
+        decodes = [(n, min(16, longest)) for n in (1, 8, cfg.max_num_seqs)]
+        fits = [(s, n) for s, n in dict.fromkeys(prefills + decodes)
+                if n > 0 and s * -(-(n + 2) // cfg.block_size) <= self.blocks.num_blocks]
+        return fits
+
+    @torch.inference_mode()
+    def warm_up(self, progress=None) -> None:
+        """Runs every warm-up shape through the real step loop, then forgets their prefixes.
+
+        `progress(done, total)` is called after each shape."""
+        shapes = self.warm_up_shapes()
+        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        vocab = self.config.vocab_size
+        for done, (num_seqs, num_tokens) in enumerate(shapes, start=1):
+            ids = [self.add_request([(31 * t + 131 * s + 7 * done) % vocab for t in range(num_tokens)], params,
+                                    f"warm-up-{done}-{s}") for s in range(num_seqs)]
+            while any(i in self.requests for i in ids):
+                self.step()
+            if progress:
+                progress(done, len(shapes))
+        self.blocks.reset_prefix_cache()
+
+    def stats(self) -> EngineStats:
+        size, filled = self.cfg.block_size, {}
+        for seq in self.scheduler.running:
+            for i, block_id in enumerate(seq.block_table):
+                tokens = min(size, max(0, seq.num_computed_tokens - i * size))
+                filled[block_id] = max(filled.get(block_id, 0), tokens)
+        allocated = len(filled) * size
+        blocks = self.blocks
+        return EngineStats(
+            running_requests=len({s.request_id for s in self.scheduler.running}),
+            waiting_requests=len({s.request_id for s in self.scheduler.waiting}),
+            used_blocks=blocks.num_used_blocks, total_blocks=blocks.num_blocks,
+            fragmentation=1 - sum(filled.values()) / allocated if allocated else 0.0,
+            prefix_hit_rate=blocks.hit_tokens / blocks.queried_tokens if blocks.queried_tokens else 0.0,
+            preemptions=self.scheduler.num_preemptions)
+
     # Requests ---------------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -137,6 +195,10 @@ class LLMEngine:
         for seq in request.seqs if request else ():
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
+
+    def sequences(self, request_id: str) -> list[Sequence]:
+        """The n sequences of an unfinished request (read-only: for streaming their tokens as they grow)."""
+        return self.requests[request_id].seqs
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
