@@ -93,9 +93,10 @@ def test_shutdown_deadline_cancels_what_is_left(tiny_chat_checkpoint):
         events, first_chunk = [], threading.Event()
 
         def stream() -> None:
-            body = {"model": server.model_name, "prompt": "Go on", "max_tokens": 4000, "stream": True,
+            body = {"model": server.model_name, "prompt": "Go on", "max_tokens": 1000, "stream": True,
                     "ignore_eos": True}
             with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
+                assert response.status_code == 200, response.read()
                 for line in response.iter_lines():
                     if line.startswith("data: "):
                         events.append(line[6:])
@@ -119,5 +120,5 @@ def test_a_model_that_cannot_load_ends_the_server_with_a_clear_error(tmp_path):
 
     result = run_cli("recipe=serve", f"model={tmp_path / 'missing'}", f"port={free_port()}", timeout=120)
     assert result.returncode == 2, result.stderr
-    assert "error: the server could not start" in result.stderr and "does not exist" in result.stderr
+    assert "error: the server could not start" in result.stderr and "neither a checkpoint folder nor a built-in model" in result.stderr
     assert "Traceback" not in result.stderr

@@ -1,5 +1,8 @@
-from unified.checkpoint.hf_config import UnsupportedModelError
-from unified.checkpoint.loader import LoadedModel, export_hf, hf_state_dict, load_model
-from unified.checkpoint.safetensors_io import CheckpointError
+"""HF checkpoints in and out: config translation, safetensors reading and writing, loading and export."""
+from unified.lazy import lazy_exports
 
-__all__ = ["CheckpointError", "LoadedModel", "UnsupportedModelError", "export_hf", "hf_state_dict", "load_model"]
+_EXPORTS = {"UnsupportedModelError": "unified.checkpoint.hf_config", "LoadedModel": "unified.checkpoint.loader",
+            "export_hf": "unified.checkpoint.loader", "hf_state_dict": "unified.checkpoint.loader",
+            "load_model": "unified.checkpoint.loader", "CheckpointError": "unified.checkpoint.safetensors_io"}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

