@@ -39,5 +39,5 @@ def test_world_of_one_without_launcher(runtime):
 
 
 def test_impossible_layout_fails_before_anything_loads(runtime):
-    with pytest.raises(UserError, match="world size 1 is not a multiple of tensor x pipeline parallel = 2 x 1"):
+    with pytest.raises(UserError, match="world size 1 is not a multiple of tensor x pipeline = 2 x 1"):
         init_distributed(runtime, Layout(tensor=2))

@@ -18,6 +18,7 @@ from unified.checkpoint.hf_names import Param, parameter_map
 from unified.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, save_safetensors
 from unified.model.config import ModelConfig
 from unified.model.transformer import CausalLM
+from unified.runtime import check_layout, current_layout
 
 # Files that travel with the weights: tokenizer, chat template, generation defaults.
 SIDECAR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -62,6 +63,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     path = Path(path)
     hf = read_hf_config(path)
     config = model_config_from_hf(hf)
+    check_layout(current_layout(), torch.distributed.get_world_size(), config)  # before reading any weight
     ckpt = SafetensorsCheckpoint(path)
     with torch.device(device):
         model = CausalLM(config, dtype)

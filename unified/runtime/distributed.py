@@ -7,18 +7,10 @@ code (megatron layers need parallel_state) runs from a plain `python` or a test.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from unified.errors import UserError
-
-
-@dataclass(frozen=True)
-class Layout:
-    tensor: int = 1
-    pipeline: int = 1
-    expert: int = 1
+from unified.runtime.layout import Layout, check_layout
 
 
 def init_distributed(accelerator, layout: Layout = Layout()) -> None:
@@ -32,14 +24,9 @@ def init_distributed(accelerator, layout: Layout = Layout()) -> None:
             dist.init_process_group(backend=backend)
         else:
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-    world = dist.get_world_size()
-    model_parallel = layout.tensor * layout.pipeline
-    if world % model_parallel:
-        raise UserError(f"world size {world} is not a multiple of tensor x pipeline parallel "
-                         f"= {layout.tensor} x {layout.pipeline}; change the parallel layout or the number of processes")
+    check_layout(layout, dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
-        if (parallel_state.get_tensor_model_parallel_world_size() != layout.tensor
-                or parallel_state.get_pipeline_model_parallel_world_size() != layout.pipeline):
+        if current_layout() != layout:
             parallel_state.destroy_model_parallel()
         else:
             return
@@ -48,3 +35,11 @@ def init_distributed(accelerator, layout: Layout = Layout()) -> None:
         pipeline_model_parallel_size=layout.pipeline,
         expert_model_parallel_size=layout.expert,
     )
+
+
+def current_layout() -> Layout:
+    from megatron.core import parallel_state
+
+    return Layout(parallel_state.get_tensor_model_parallel_world_size(),
+                  parallel_state.get_pipeline_model_parallel_world_size(),
+                  parallel_state.get_expert_model_parallel_world_size())
