@@ -3,7 +3,8 @@
 A `Param` names our tensor and the HF tensors it is built from: `rows[e][p]` is part p of row e.
 Parts of a row are concatenated (fused q|k|v, gate|up); several rows are stacked into a new leading
 dimension (the experts of an MoE layer). `split` is the dimension along which each part is divided
-across tensor-parallel ranks (None: replicated), so a rank reads only its slice of every part.
+across tensor-parallel ranks (None: replicated), so a rank reads only its slice of every part. KV
+heads fewer than the ranks are replicated: each rank reads the one head its query heads attend with.
 """
 from __future__ import annotations
 
@@ -18,10 +19,16 @@ class Param:
     rows: tuple[tuple[str, ...], ...]
     split: int | None = None
     sizes: tuple[int, ...] | None = None  # lengths of the parts along cat_dim; None: equal parts
+    unit: int | None = None  # rows of one head: a part with fewer heads than ranks is replicated per head
+
+    @property
+    def is_experts(self) -> bool:
+        """One row per routed expert: an expert-parallel rank reads only its experts' rows."""
+        return self.ours.endswith(("experts.gate_up", "experts.down"))
 
     @property
     def stacked(self) -> bool:
-        return len(self.rows) > 1 or self.ours.endswith(("experts.gate_up", "experts.down"))
+        return len(self.rows) > 1 or self.is_experts
 
     @property
     def cat_dim(self) -> int:
@@ -34,10 +41,12 @@ def _single(ours: str, hf: str, split: int | None = None) -> Param:
 
 def _gqa(cfg: ModelConfig, ours: str, hf: str) -> list[Param]:
     sizes = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim)
-    params = [Param(f"{ours}qkv_proj.weight", ((f"{hf}q_proj.weight", f"{hf}k_proj.weight", f"{hf}v_proj.weight"),), 0, sizes),
+    params = [Param(f"{ours}qkv_proj.weight", ((f"{hf}q_proj.weight", f"{hf}k_proj.weight", f"{hf}v_proj.weight"),), 0,
+                    sizes, cfg.head_dim),
               _single(f"{ours}o_proj.weight", f"{hf}o_proj.weight", 1)]
     if cfg.qkv_bias:
-        params.append(Param(f"{ours}qkv_proj.bias", ((f"{hf}q_proj.bias", f"{hf}k_proj.bias", f"{hf}v_proj.bias"),), 0, sizes))
+        params.append(Param(f"{ours}qkv_proj.bias", ((f"{hf}q_proj.bias", f"{hf}k_proj.bias", f"{hf}v_proj.bias"),), 0,
+                            sizes, cfg.head_dim))
     if cfg.o_bias:
         params.append(_single(f"{ours}o_proj.bias", f"{hf}o_proj.bias"))
     if cfg.qk_norm:

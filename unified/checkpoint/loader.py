@@ -39,21 +39,38 @@ def _tp_rank_size() -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
-def _read_part(ckpt: SafetensorsCheckpoint, name: str, split: int | None, rank: int, size: int) -> torch.Tensor:
+def _ep_rank_size() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
+
+
+def _read_part(ckpt: SafetensorsCheckpoint, name: str, split: int | None, rank: int, size: int,
+               unit: int | None = None) -> torch.Tensor:
     if split is None or size == 1:
         return ckpt.get(name)
     full = ckpt.shape(name)
-    if full[split] % size:
+    if unit and full[split] // unit < size:  # fewer heads than ranks: this rank's head, replicated
+        length = unit
+        start = rank * (full[split] // unit) // size * unit
+    elif full[split] % size:
         raise CheckpointError(f"tensor {name!r} ({ckpt.file_of(name).name}) has {full[split]} rows along "
                               f"dimension {split}, which tensor parallel size {size} does not divide")
-    chunk = full[split] // size
+    else:
+        length = full[split] // size
+        start = rank * length
     view = ckpt.get_slice(name)
-    return view[rank * chunk:(rank + 1) * chunk] if split == 0 else view[:, rank * chunk:(rank + 1) * chunk]
+    return view[start:start + length] if split == 0 else view[:, start:start + length]
 
 
 def _assemble(ckpt: SafetensorsCheckpoint, param: Param, rank: int, size: int) -> torch.Tensor:
-    rows = [torch.cat([_read_part(ckpt, n, param.split, rank, size) for n in row], dim=param.cat_dim)
-            if len(row) > 1 else _read_part(ckpt, row[0], param.split, rank, size) for row in param.rows]
+    param_rows = param.rows
+    if param.is_experts:
+        ep_rank, ep_size = _ep_rank_size()
+        local = len(param_rows) // ep_size
+        param_rows = param_rows[ep_rank * local:(ep_rank + 1) * local]
+    rows = [torch.cat([_read_part(ckpt, n, param.split, rank, size, param.unit) for n in row], dim=param.cat_dim)
+            if len(row) > 1 else _read_part(ckpt, row[0], param.split, rank, size, param.unit) for row in param_rows]
     return torch.stack(rows) if param.stacked else rows[0]
 
 

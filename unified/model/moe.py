@@ -5,8 +5,8 @@ Routing covers the three families we import:
   - sigmoid scores plus an aux-loss-free correction bias used only for choosing experts, group-limited
     top-k (pick `topk_groups` of `num_groups` groups by their top-2 score sum), renormalisation and a
     routed scaling factor (DeepSeek-V3, Kimi-K2).
-Experts are stored stacked ([E, 2I, H] and [E, H, I]) so expert parallelism can later hand each rank
-a contiguous slice; tokens are sorted by expert and each expert runs one matmul over its tokens.
+Experts are stored stacked ([E, 2I, H] and [E, H, I]); expert parallelism gives each rank a contiguous
+slice. Tokens are sorted by expert and each expert runs one matmul over its tokens.
 """
 from __future__ import annotations
 
@@ -51,22 +51,45 @@ class Router(nn.Module):
         return weights * moe.routed_scaling_factor, ids
 
 
+def _expert_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_expert_model_parallel_group()
+
+
 class Experts(nn.Module):
+    """This rank's contiguous slice of the experts; with expert parallelism, tokens are exchanged.
+
+    The exchange is all-gather then all-reduce over the expert-parallel group: every rank sees every
+    rank's tokens (padded to the longest), computes its own experts' share, and the shares are summed.
+    megatron-core's all-to-all dispatcher moves fewer bytes but needs CUDA streams (see DESIGN.md)."""
+
     def __init__(self, hidden_size: int, moe: MoEConfig, hidden_act: str, dtype: torch.dtype):
         super().__init__()
-        self.num_experts = moe.num_experts
+        group = _expert_group()
+        self.group = group if group.size() > 1 else None
+        self.num_local = moe.num_experts // group.size()
+        self.first = group.rank() * self.num_local
         inter = moe.expert_intermediate_size
-        self.gate_up = nn.Parameter(torch.empty(moe.num_experts, 2 * inter, hidden_size, dtype=dtype))
-        self.down = nn.Parameter(torch.empty(moe.num_experts, hidden_size, inter, dtype=dtype))
+        self.gate_up = nn.Parameter(torch.empty(self.num_local, 2 * inter, hidden_size, dtype=dtype))
+        self.down = nn.Parameter(torch.empty(self.num_local, hidden_size, inter, dtype=dtype))
         self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [T, H], weights/ids: [T, k] -> [T, H]."""
+        if self.group is None:
+            return self._local(x, weights, ids)
+        return self._exchange(x, weights, ids)
+
+    def _local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         top_k = ids.shape[-1]
-        flat_ids = ids.flatten()  # [T*k]
-        order = flat_ids.argsort(stable=True)
-        token_of = order // top_k
-        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        local = ids.flatten() - self.first  # [T*k]
+        picks = ((local >= 0) & (local < self.num_local)).nonzero().squeeze(1)
+        local = local[picks]
+        order = local.argsort(stable=True)
+        picks = picks[order]
+        token_of = picks // top_k
+        counts = torch.bincount(local, minlength=self.num_local).tolist()
         out = torch.zeros_like(x)
         start = 0
         for expert, count in enumerate(counts):
@@ -75,10 +98,30 @@ class Experts(nn.Module):
             rows = token_of[start:start + count]
             gate, up = torch.nn.functional.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
             y = torch.nn.functional.linear(self.act(gate) * up, self.down[expert])
-            y = y * weights.flatten()[order[start:start + count], None].to(y.dtype)
+            y = y * weights.flatten()[picks[start:start + count], None].to(y.dtype)
             out.index_add_(0, rows, y)
             start += count
         return out
+
+    def _exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        dist, group = torch.distributed, self.group
+        tokens = torch.tensor([x.shape[0]], device=x.device)
+        sizes = [torch.empty_like(tokens) for _ in range(group.size())]
+        dist.all_gather(sizes, tokens, group=group)
+        longest = int(max(sizes).item())
+        pad = longest - x.shape[0]
+        padded_x = torch.nn.functional.pad(x, (0, 0, 0, pad))
+        padded_w = torch.nn.functional.pad(weights, (0, 0, 0, pad))
+        padded_ids = torch.nn.functional.pad(ids, (0, 0, 0, pad), value=-1)  # -1: no expert anywhere
+        gathered = []
+        for tensor in (padded_x, padded_w, padded_ids):
+            parts = [torch.empty_like(tensor) for _ in range(group.size())]
+            dist.all_gather(parts, tensor.contiguous(), group=group)
+            gathered.append(torch.cat(parts))
+        out = self._local(*gathered)  # [ranks * longest, H]: this rank's experts' share for every token
+        dist.all_reduce(out, group=group)
+        mine = group.rank() * longest
+        return out[mine:mine + x.shape[0]]
 
 
 class MoE(nn.Module):

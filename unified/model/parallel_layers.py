@@ -83,6 +83,18 @@ class RowLinear(PackableWeight, RowParallelLinear):
         return y if self.bias is None else y + self.bias
 
 
+def gather_vocab(x: torch.Tensor) -> torch.Tensor:
+    """Concatenates the tensor-parallel ranks' vocabulary slices along the last dimension (inference).
+
+    megatron-core's gather mapping allocates on `torch.cuda.current_device()`; this one works on any device."""
+    group = _tp_group()
+    if group.size() == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
 class VocabEmbedding(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, config: ModelParallelConfig):
         super().__init__(vocab_size, hidden_size, init_method=_normal_init, config=config, tp_group=_tp_group())

@@ -17,7 +17,7 @@ from unified.model.mla import MLAttention
 from unified.model.mlp import GatedMLP
 from unified.model.moe import MoE
 from unified.model.norm import RMSNorm
-from unified.model.parallel_layers import ColumnLinear, PackableWeight, VocabEmbedding, megatron_config
+from unified.model.parallel_layers import ColumnLinear, PackableWeight, VocabEmbedding, gather_vocab, megatron_config
 from unified.model.rope import RotaryEmbedding
 
 
@@ -62,11 +62,15 @@ class CausalLM(nn.Module):
                 layer_outputs.append(x)
         return self.norm(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., V/tp]: this rank's slice of the vocabulary."""
+    def vocab_parallel_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V/tp]: this rank's slice of the vocabulary (for vocab-parallel cross-entropy)."""
         if self.lm_head is None:
             return kernels.linear(hidden, self.embed.weight, None, self.tied_head_packed)
         return self.lm_head(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> [..., V]: every rank gets the whole vocabulary's logits."""
+        return gather_vocab(self.vocab_parallel_logits(hidden))
 
     def pack_weights(self, rows: int) -> None:
         """Attaches pre-packed copies of the big matmul weights for inference (see kernels.linear);
