@@ -47,7 +47,9 @@ class CacheShape:
 
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, kv_cache_dtype: str = "auto", tp_size: int = 1):
+                 device: torch.device, kv_cache_dtype: str = "auto", tp_size: int = 1, layers=None):
+        """`layers`: the global indices of the layers this rank runs (a pipeline stage's); None: all."""
+        layers = set(range(config.num_layers) if layers is None else layers)
         self.bits = kv_bits_of(kv_cache_dtype)
         self.shape = CacheShape.of(config, tp_size)
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -56,10 +58,10 @@ class KVCache:
         shape = (num_blocks, block_size, self.shape.heads, dim)
         # torch.empty: pages are committed as they are written, and every slot is written before it is read.
         self.values = [[torch.empty(shape, dtype=storage_dtype, device=device) for _ in range(self.shape.entries)]
-                       for _ in range(config.num_layers)]
+                       if i in layers else None for i in range(config.num_layers)]
         self.scales = [[torch.empty(shape[:3], dtype=torch.float32, device=device) if self.bits else None
-                        for _ in range(self.shape.entries)] for _ in range(config.num_layers)]
-        self.bytes_per_token = self.shape.bytes_per_token(config.num_layers, dtype, self.bits)
+                        for _ in range(self.shape.entries)] if i in layers else None for i in range(config.num_layers)]
+        self.bytes_per_token = self.shape.bytes_per_token(len(layers), dtype, self.bits)
 
     @property
     def total_bytes(self) -> int:

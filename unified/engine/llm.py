@@ -53,9 +53,22 @@ class LLM:
 
     @classmethod
     def from_run_config(cls, cfg) -> "LLM":
+        """On the driver rank, the engine for the recipe; use it as a context manager so that ranks
+        following the driver are released at the end. On every other rank this serves the driver's
+        steps until then, and ends the process."""
+        engine = build_engine(cfg.model, cfg.device, cfg.parallel, cfg.engine, cfg.seed)
+        if not engine.is_driver:
+            engine.follow()
+            raise SystemExit(0)
         llm = cls.__new__(cls)
-        llm._use(build_engine(cfg.model, cfg.device, cfg.parallel, cfg.engine, cfg.seed))
+        llm._use(engine)
         return llm
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.engine.shutdown()
 
     def _use(self, engine: LLMEngine) -> None:
         self.engine, self.tokenizer = engine, engine.tokenizer

@@ -9,9 +9,12 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import signal
+import threading
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core import parallel_state
 
 from unified.engine.block_manager import BlockManager
 from unified.engine.kv_cache import CacheShape, KVCache, kv_bits_of
@@ -76,9 +79,15 @@ class LLMEngine:
         if engine_cfg.packed_weights:
             model.pack_weights(engine_cfg.max_num_seqs)
         self.runner = ModelRunner(model, device)
+        self.is_driver = torch.distributed.get_rank() == 0
+        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         num_blocks = self._cache_blocks(accelerator)
+        if self.runner.distributed:  # every rank must hold the blocks the driver hands out
+            agreed = torch.tensor([num_blocks])
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            num_blocks = int(agreed.item())
         self.runner.cache = KVCache(self.config, num_blocks, engine_cfg.block_size, dtype, device,
-                                    engine_cfg.kv_cache_dtype)
+                                    engine_cfg.kv_cache_dtype, self.tp_size, model.stage.layers)
         self.blocks = BlockManager(num_blocks, engine_cfg.block_size, engine_cfg.prefix_caching)
         self.scheduler = Scheduler(self.blocks, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens,
                                    engine_cfg.chunked_prefill)
@@ -98,8 +107,8 @@ class LLMEngine:
         cfg = self.cfg
         if cfg.num_blocks:
             return cfg.num_blocks
-        per_token = CacheShape.of(self.config).bytes_per_token(self.config.num_layers, self.dtype,
-                                                               kv_bits_of(cfg.kv_cache_dtype))
+        per_token = CacheShape.of(self.config, self.tp_size).bytes_per_token(
+            len(self.model.stage.layers), self.dtype, kv_bits_of(cfg.kv_cache_dtype))
         if cfg.kv_cache_bytes:
             budget = cfg.kv_cache_bytes
         else:
@@ -160,6 +169,20 @@ class LLMEngine:
             fragmentation=1 - sum(filled.values()) / allocated if allocated else 0.0,
             prefix_hit_rate=blocks.hit_tokens / blocks.queried_tokens if blocks.queried_tokens else 0.0,
             preemptions=self.scheduler.num_preemptions)
+
+    def follow(self) -> None:
+        """Non-driver ranks: serve the driver's steps until it shuts the engine down."""
+        assert not self.is_driver
+        if threading.current_thread() is threading.main_thread():
+            # A launcher signals every rank; followers end when the driver, shutting down, releases them.
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, signal.SIG_IGN)
+        self.runner.follow()
+
+    def shutdown(self) -> None:
+        """Driver: releases the ranks that follow it (a no-op in one process)."""
+        if self.is_driver:
+            self.runner.stop_followers()
 
     # Requests ---------------------------------------------------------------------------------------
 

@@ -3,6 +3,10 @@
 All sequences' new tokens are concatenated into a single [1, T] batch (no padding); the attention
 context tells each layer where those tokens' K/V go and which blocks each sequence reads. Only the
 last position of each sequence that reaches its end this step goes through the LM head.
+
+Across ranks (tensor, pipeline, expert parallel) one scheduler drives: the driver (global rank 0)
+prepares each step's inputs and broadcasts them; every other rank `follow()`s, running the same
+forward (its shard of it) until the driver says stop. Only the driver's logits are used.
 """
 from __future__ import annotations
 
@@ -45,10 +49,32 @@ class ModelRunner:
         pos = torch.tensor([positions], dtype=torch.long, device=self.device)
         return ids, pos, meta, sample_rows
 
-    @torch.inference_mode()
+    @property
+    def distributed(self) -> bool:
+        return torch.distributed.get_world_size() > 1
+
     def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Runs the step; returns float32 logits [num sampling sequences, V] in batch order."""
-        ids, positions, meta, sample_rows = self.prepare(batch)
+        plan = self.prepare(batch)
+        if self.distributed:
+            torch.distributed.broadcast_object_list([plan], src=0)
+        return self._run(*plan)
+
+    def follow(self) -> None:
+        """On a non-driver rank: runs the driver's steps until it calls `stop_followers()`."""
+        while True:
+            box = [None]
+            torch.distributed.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                return
+            self._run(*box[0])
+
+    def stop_followers(self) -> None:
+        if self.distributed:
+            torch.distributed.broadcast_object_list([None], src=0)
+
+    @torch.inference_mode()
+    def _run(self, ids, positions, meta: StepMetadata, sample_rows: list[int]) -> torch.Tensor:
         with forward_context(PagedAttentionContext(self.cache, meta)):
             hidden = self.model(ids, positions)  # [1, T, H]
         if not sample_rows:

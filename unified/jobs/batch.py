@@ -1,6 +1,6 @@
 """`unified recipe=batch input=prompts.jsonl output=out.jsonl`: offline batch inference.
 
-Each input line is a JSON object with `messages` (chat) or `prompt` (raw text), an optional `id`
+Each input line is a JSON object with `messages` (chat) or `prompt` (raw text or token ids), an optional `id`
 (default: the line number) and optional sampling options (`max_tokens`, `temperature`, ...). Results
 are appended to the output as each request finishes, one flushed line each, so a rerun after a crash
 skips the ids already written (a half-written last line is dropped and redone). A malformed line is
@@ -51,8 +51,10 @@ def _parse(line: str, lineno: int, tokenizer) -> tuple[str, list[int], SamplingP
         ids = chat_prompt(tokenizer, item["messages"])
     elif isinstance(item.get("prompt"), str):
         ids = tokenizer(item["prompt"])["input_ids"]
+    elif isinstance(item.get("prompt"), list) and all(isinstance(t, int) for t in item["prompt"]):
+        ids = item["prompt"]
     else:
-        raise InvalidRequest("a line needs 'messages' (a non-empty list) or 'prompt' (a string)")
+        raise InvalidRequest("a line needs 'messages' (a non-empty list) or 'prompt' (a string or token ids)")
     options = {k: v for k, v in item.items() if k not in REQUEST_KEYS}
     options.setdefault("temperature", 0.0)
     options.setdefault("max_tokens", 256)
@@ -73,17 +75,21 @@ def _record(output: RequestOutput) -> dict:
 
 
 def run(cfg) -> None:
-    from tqdm import tqdm
-
     if not cfg.input or not cfg.output:
         raise UserError("batch needs input= and output=: unified recipe=batch input=prompts.jsonl output=out.jsonl")
     source, target = Path(cfg.input), Path(cfg.output)
     if not source.is_file():
         raise UserError(f"input={source} does not exist")
+    with LLM.from_run_config(cfg) as llm:  # other ranks follow the driver's steps inside this call
+        _run_batch(llm, source, target, 4 * cfg.engine.max_num_seqs)
+
+
+def _run_batch(llm, source: Path, target: Path, in_flight_cap: int) -> None:
+    from tqdm import tqdm
+
     done = _completed_ids(target)
     lines = source.read_text().splitlines()
-    llm = LLM.from_run_config(cfg)
-    engine, in_flight_cap = llm.engine, 4 * cfg.engine.max_num_seqs
+    engine = llm.engine
     pending = iter(enumerate(lines, start=1))
     skipped = errors = 0
     target.parent.mkdir(parents=True, exist_ok=True)

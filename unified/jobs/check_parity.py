@@ -7,7 +7,7 @@ import torch
 from unified.checkpoint import load_model
 from unified.checkpoint.builtin import resolve_model
 from unified.jobs.parity import compare, reference_model
-from unified.runtime import start_runtime
+from unified.runtime import current_layout, start_runtime
 
 
 def _input_ids(path, prompt: str | None, num_tokens: int, vocab_size: int) -> torch.Tensor:
@@ -30,9 +30,17 @@ def run(cfg) -> None:
     reference = reference_model(path, runtime.dtype).to(runtime.device)
     ids = _input_ids(path, cfg.prompt, cfg.check.num_tokens, ours.config.vocab_size).to(runtime.device)
     report = compare(ours.model, reference, ids)
-    print(f"parity of {path} ({ours.config.family}, {ids.shape[1]} tokens, {runtime.dtype}) against transformers:")
-    print(report.table())
-    if not report.passes(cfg.check.min_cosine, cfg.check.max_abs_diff):
-        print(f"FAILED: need cosine >= {cfg.check.min_cosine} everywhere and max |diff| <= {cfg.check.max_abs_diff}")
+    if torch.distributed.get_world_size() > 1:  # pipeline stages each hold some layers: merge their rows
+        reports = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(reports, report)
+        report.layer_cosine = dict(sorted({i: c for r in reports for i, c in r.layer_cosine.items()}.items()))
+    passed = report.passes(cfg.check.min_cosine, cfg.check.max_abs_diff)
+    if torch.distributed.get_rank() == 0:
+        layout = current_layout()
+        print(f"parity of {path} ({ours.config.family}, {ids.shape[1]} tokens, {runtime.dtype}, [{layout}] on "
+              f"{torch.distributed.get_world_size()} ranks) against transformers:")
+        print(report.table())
+        print(f"PASSED (cosine >= {cfg.check.min_cosine}, max |diff| <= {cfg.check.max_abs_diff})" if passed else
+              f"FAILED: need cosine >= {cfg.check.min_cosine} everywhere and max |diff| <= {cfg.check.max_abs_diff}")
+    if not passed:
         raise SystemExit(1)
-    print(f"PASSED (cosine >= {cfg.check.min_cosine}, max |diff| <= {cfg.check.max_abs_diff})")

@@ -11,5 +11,6 @@ def run(cfg) -> None:
         raise UserError("the demo needs a prompt: unified recipe=demo 'prompt=\"What is the capital of France?\"'")
     messages = ([{"role": "system", "content": cfg.generation.system_prompt}] if cfg.generation.system_prompt else [])
     messages.append({"role": "user", "content": cfg.prompt})
-    output = LLM.from_run_config(cfg).chat(messages, SamplingParams(temperature=0, max_tokens=cfg.generation.max_new_tokens))
+    with LLM.from_run_config(cfg) as llm:
+        output = llm.chat(messages, SamplingParams(temperature=0, max_tokens=cfg.generation.max_new_tokens))
     print(output[0].outputs[0].text.strip())

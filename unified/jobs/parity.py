@@ -14,17 +14,17 @@ import torch.nn.functional as F
 
 @dataclass
 class ParityReport:
-    layer_cosine: list[float]
+    layer_cosine: dict[int, float]  # by layer index
     logits_cosine: float
     logits_max_abs_diff: float
 
     def passes(self, min_cosine: float, max_abs_diff: float) -> bool:
         return (self.logits_cosine >= min_cosine and self.logits_max_abs_diff <= max_abs_diff
-                and all(c >= min_cosine for c in self.layer_cosine))
+                and all(c >= min_cosine for c in self.layer_cosine.values()))
 
     def table(self) -> str:
         lines = [f"{'output':<12}{'cosine':>12}"]
-        lines += [f"layer {i:<6}{c:>12.7f}" for i, c in enumerate(self.layer_cosine)]
+        lines += [f"layer {i:<6}{c:>12.7f}" for i, c in self.layer_cosine.items()]
         lines.append(f"{'logits':<12}{self.logits_cosine:>12.7f}   max |diff| {self.logits_max_abs_diff:.3e}")
         return "\n".join(lines)
 
@@ -54,11 +54,11 @@ def compare(ours, reference, input_ids: torch.Tensor) -> ParityReport:
     finally:
         for hook in hooks:
             hook.remove()
-    ours_layers: list[torch.Tensor] = []
+    ours_layers: dict[int, torch.Tensor] = {}  # under pipeline parallelism: this stage's layers only
     positions = torch.arange(input_ids.shape[1], device=input_ids.device)
     our_logits = ours.logits(ours(input_ids, positions, layer_outputs=ours_layers))
     return ParityReport(
-        layer_cosine=[cosine(a, b) for a, b in zip(ours_layers, captured)],
+        layer_cosine={i: cosine(out, captured[i]) for i, out in ours_layers.items()},
         logits_cosine=cosine(our_logits, ref_logits),
         logits_max_abs_diff=(our_logits.float() - ref_logits.float()).abs().max().item(),
     )

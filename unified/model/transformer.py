@@ -35,32 +35,71 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attn_norm(x))
 
 
+class PipelineStage:
+    """This rank's place in the pipeline: its contiguous run of layers and its neighbours."""
+
+    def __init__(self, num_layers: int):
+        from megatron.core import parallel_state as ps
+
+        self.size, self.rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+        if self.size < 2:
+            self.layers, self.first, self.last = range(num_layers), True, True
+            return
+        self.layers = range(self.rank * num_layers // self.size, (self.rank + 1) * num_layers // self.size)
+        self.first, self.last = self.rank == 0, self.rank == self.size - 1
+        self.group = ps.get_pipeline_model_parallel_group()
+        self.prev, self.next = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
+        self.last_rank = ps.get_pipeline_model_parallel_last_rank()
+
+
 class CausalLM(nn.Module):
+    """Under pipeline parallelism a rank builds only its stage: its layers, the embedding on the first
+    stage, the final norm and head on the last (and the embedding there too when the head is tied).
+    Forward passes the hidden states stage to stage; only the last stage returns the final hidden
+    states (the others return their own stage's output), and `logits()` hands the last stage's logits to
+    every stage, so callers of `logits(forward(...))` see the same result on every rank."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.config = config
+        self.stage = stage = PipelineStage(config.num_layers)
         mp = megatron_config(dtype)
-        self.embed = VocabEmbedding(config.vocab_size, config.hidden_size, mp)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else ColumnLinear(config.hidden_size, config.vocab_size, mp)
+        tied = config.tie_word_embeddings
+        self.embed = VocabEmbedding(config.vocab_size, config.hidden_size, mp) if stage.first or (stage.last and tied) else None
+        # A dict keyed by the global layer index keeps parameter names (layers.<i>.) the same on every stage.
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, dtype) for i in stage.layers})
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else None
+        self.lm_head = ColumnLinear(config.hidden_size, config.vocab_size, mp) if stage.last and not tied else None
         self.tied_head_packed: tuple[torch.Tensor, int] | None = None
         self.rope = RotaryEmbedding(config.rope_parameters, config.rope_head_dim, config.max_position_embeddings,
                                     interleaved=bool(config.mla and config.mla.rope_interleave))
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None,
-                layer_outputs: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """Returns final-norm hidden states; appends each layer's output to `layer_outputs` if given."""
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
+                layer_outputs: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """Returns final-norm hidden states; records this stage's layer outputs in `layer_outputs` if given."""
+        stage = self.stage
+        if stage.first:
+            x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
+        else:
+            shape = (*(input_ids.shape if inputs_embeds is None else inputs_embeds.shape[:2]), self.config.hidden_size)
+            x = torch.empty(shape, dtype=self.dtype, device=positions.device)
+            torch.distributed.recv(x, stage.prev)
         if positions.dim() == 1:
             positions = positions.expand(x.shape[0], -1)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
-        for layer in self.layers:
+        for index, layer in self.layers.items():
             x = layer(x, self.rope, cos, sin)
             if layer_outputs is not None:
-                layer_outputs.append(x)
+                layer_outputs[int(index)] = x
+        if not stage.last:
+            torch.distributed.send(x.contiguous(), stage.next)
+            return x
         return self.norm(x)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
 
     def vocab_parallel_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V/tp]: this rank's slice of the vocabulary (for vocab-parallel cross-entropy)."""
@@ -69,8 +108,15 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., H] -> [..., V]: every rank gets the whole vocabulary's logits."""
-        return gather_vocab(self.vocab_parallel_logits(hidden))
+        """[..., H] -> [..., V]: every rank (every tensor and pipeline stage) gets the whole vocabulary's logits."""
+        stage = self.stage
+        if stage.last:
+            out = gather_vocab(self.vocab_parallel_logits(hidden))
+        else:
+            out = torch.empty(*hidden.shape[:-1], self.config.vocab_size, dtype=hidden.dtype, device=hidden.device)
+        if stage.size > 1:
+            torch.distributed.broadcast(out, stage.last_rank, group=stage.group)
+        return out
 
     def pack_weights(self, rows: int) -> None:
         """Attaches pre-packed copies of the big matmul weights for inference (see kernels.linear);
@@ -78,6 +124,6 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, PackableWeight):
                 module.pack(rows)
-        if self.lm_head is None:
+        if self.lm_head is None and self.stage.last:
             packed = kernels.pack_linear_weight(self.embed.weight, rows)
             self.tied_head_packed = None if packed is None else (packed, rows)

@@ -114,6 +114,7 @@ class EngineLoop:
                 continue
             self._publish(finished, time.perf_counter() - start)
         self._fail_all(RuntimeError("the server is shutting down"))
+        engine.shutdown()  # releases the ranks that follow this one, from the thread that drove them
 
     def _drain_inbox(self) -> None:
         while True:
