@@ -83,3 +83,44 @@ def test_engine_agrees_across_layouts(tiny_mqa_checkpoint, tmp_path):
         for request_id, entries in reference.items():
             assert [e["token_id"] for e in split[request_id]] == [e["token_id"] for e in entries], layout
             assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(split[request_id], entries)) < 1e-4, layout
+
+
+def test_serving_on_two_ranks_reports_collectives_and_stops_cleanly(tiny_mqa_checkpoint):
+    import signal
+    import time
+
+    import httpx
+
+    port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")
+    server = subprocess.Popen(
+        [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "unified",
+         "recipe=serve", f"model={tiny_mqa_checkpoint}", f"port={port}", "parallel=tp2", "engine.num_blocks=64",
+         "serve.warm_up=false"],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tempfile.mkdtemp())
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "server did not come up"
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        answer = httpx.post(base + "/v1/completions", timeout=60, json={
+            "model": tiny_mqa_checkpoint.name, "prompt": "Hello there", "max_tokens": 6, "ignore_eos": True})
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
+        metrics = httpx.get(base + "/metrics", timeout=10).text
+        assert 'unified_collective_seconds_count{kind="tp_all_reduce"}' in metrics
+        server.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
+        server.wait(120)
+        log.seek(0)
+        output = log.read()
+        assert "Application shutdown complete" in output, output[-3000:]
+        # torchrun's own agent reports the signal it got; no rank may fail or raise from our code
+        assert "exitcode" not in output and str(ROOT / "unified") not in output, output[-3000:]
+    finally:
+        if server.poll() is None:
+            server.kill()

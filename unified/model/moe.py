@@ -15,6 +15,7 @@ from torch import nn
 
 from unified.model.config import ModelConfig, MoEConfig
 from unified.model.mlp import GatedMLP, activation
+from unified.runtime.comm import collective
 
 
 class Router(nn.Module):
@@ -116,10 +117,12 @@ class Experts(nn.Module):
         gathered = []
         for tensor in (padded_x, padded_w, padded_ids):
             parts = [torch.empty_like(tensor) for _ in range(group.size())]
-            dist.all_gather(parts, tensor.contiguous(), group=group)
+            with collective("ep_all_gather", tensor):
+                dist.all_gather(parts, tensor.contiguous(), group=group)
             gathered.append(torch.cat(parts))
         out = self._local(*gathered)  # [ranks * longest, H]: this rank's experts' share for every token
-        dist.all_reduce(out, group=group)
+        with collective("ep_all_reduce", out):
+            dist.all_reduce(out, group=group)
         mine = group.rank() * longest
         return out[mine:mine + x.shape[0]]
 

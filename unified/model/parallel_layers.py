@@ -22,6 +22,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 import kernels
+from unified.runtime.comm import collective
 
 
 def _tp_group():
@@ -79,7 +80,8 @@ class RowLinear(PackableWeight, RowParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = kernels.linear(x, self.weight, None, self.packed_weight)
         if self.tp_group.size() > 1:
-            y = reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
+            with collective("tp_all_reduce", y):
+                y = reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
         return y if self.bias is None else y + self.bias
 
 
@@ -91,10 +93,22 @@ def gather_vocab(x: torch.Tensor) -> torch.Tensor:
     if group.size() == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(group.size())]
-    torch.distributed.all_gather(parts, x.contiguous(), group=group)
+    with collective("tp_vocab_gather", x):
+        torch.distributed.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
 
 
 class VocabEmbedding(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, config: ModelParallelConfig):
         super().__init__(vocab_size, hidden_size, init_method=_normal_init, config=config, tp_group=_tp_group())
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """megatron's lookup (each rank embeds the ids in its vocabulary slice, zeros elsewhere, then the
+        ranks sum), with the all-reduce on our communication ledger."""
+        if self.tp_group.size() == 1:
+            return torch.nn.functional.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+        out = torch.nn.functional.embedding((ids - self.vocab_start_index).masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        with collective("tp_all_reduce", out):
+            return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)

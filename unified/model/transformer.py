@@ -19,6 +19,7 @@ from unified.model.moe import MoE
 from unified.model.norm import RMSNorm
 from unified.model.parallel_layers import ColumnLinear, PackableWeight, VocabEmbedding, gather_vocab, megatron_config
 from unified.model.rope import RotaryEmbedding
+from unified.runtime.comm import collective
 
 
 class DecoderLayer(nn.Module):
@@ -84,7 +85,8 @@ class CausalLM(nn.Module):
         else:
             shape = (*(input_ids.shape if inputs_embeds is None else inputs_embeds.shape[:2]), self.config.hidden_size)
             x = torch.empty(shape, dtype=self.dtype, device=positions.device)
-            torch.distributed.recv(x, stage.prev)
+            with collective("pp_send_recv", x):
+                torch.distributed.recv(x, stage.prev)
         if positions.dim() == 1:
             positions = positions.expand(x.shape[0], -1)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
@@ -93,7 +95,8 @@ class CausalLM(nn.Module):
             if layer_outputs is not None:
                 layer_outputs[int(index)] = x
         if not stage.last:
-            torch.distributed.send(x.contiguous(), stage.next)
+            with collective("pp_send_recv", x):
+                torch.distributed.send(x.contiguous(), stage.next)
             return x
         return self.norm(x)
 
@@ -115,7 +118,8 @@ class CausalLM(nn.Module):
         else:
             out = torch.empty(*hidden.shape[:-1], self.config.vocab_size, dtype=hidden.dtype, device=hidden.device)
         if stage.size > 1:
-            torch.distributed.broadcast(out, stage.last_rank, group=stage.group)
+            with collective("pp_logits_broadcast", out):
+                torch.distributed.broadcast(out, stage.last_rank, group=stage.group)
         return out
 
     def pack_weights(self, rows: int) -> None:

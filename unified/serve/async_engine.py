@@ -9,6 +9,7 @@ accepted it, so a handler can answer 400 before it starts a stream. A request wh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from unified.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 from unified.engine.sampler import TokenLogprob
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
+from unified.runtime.comm import CommLedger, recording
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,8 @@ class _Stream:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_step=None):
-        """`on_step(stats, new_tokens, step_seconds)` is called on the engine thread after each step."""
+        """`on_step(stats, new_tokens, step_seconds, collective_seconds)` is called on the engine thread after
+        each step; `collective_seconds` (by kind) is empty in one process."""
         self.engine = engine
         self._on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -59,6 +62,7 @@ class EngineLoop:
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.stats: EngineStats = engine.stats()
+        self._ledger = CommLedger()
 
     def start(self) -> None:
         self._thread.start()
@@ -106,8 +110,10 @@ class EngineLoop:
                 self._wake.clear()
                 continue
             start = time.perf_counter()
+            self._ledger.reset()
             try:
-                finished = engine.step()
+                with recording(self._ledger) if engine.runner.distributed else contextlib.nullcontext():
+                    finished = engine.step()
             except Exception as err:  # a bug, not bad input: fail what is in flight, keep serving
                 log.exception("engine step failed; failing %d in-flight requests", len(self._streams))
                 self._fail_all(err)
@@ -167,7 +173,7 @@ class EngineLoop:
     def _publish_stats(self, new_tokens: int, seconds: float) -> None:
         self.stats = self.engine.stats()
         if self._on_step:
-            self._on_step(self.stats, new_tokens, seconds)
+            self._on_step(self.stats, new_tokens, seconds, dict(self._ledger.seconds) if seconds else {})
 
     def _fail_all(self, err: Exception) -> None:
         for request_id, stream in list(self._streams.items()):

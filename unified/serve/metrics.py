@@ -2,7 +2,8 @@
 
 Request-level figures (status codes, time to first token, time per output token, token counts) are
 recorded by the HTTP handlers; engine-level gauges (running/waiting requests, KV-cache use, prefix-cache
-hit rate, fragmentation) are refreshed by the engine thread after every step.
+hit rate, fragmentation, and when distributed the time in each kind of collective) are refreshed by
+the engine thread after every step.
 """
 from __future__ import annotations
 
@@ -42,10 +43,13 @@ class ServerMetrics:
         self.prefix_hit_rate = Gauge("unified_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache over tokens looked up", registry=r)
         self.preemptions = Gauge("unified_num_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
+        self.collective_seconds = Histogram("unified_collective_seconds",
+                                            "Time per engine step in each kind of collective (distributed only)",
+                                            ["kind"], buckets=_LATENCY_BUCKETS, registry=r)
         self.step_seconds = Histogram("unified_engine_step_seconds", "Duration of one engine step",
                                       buckets=_LATENCY_BUCKETS, registry=r)
 
-    def engine_step(self, stats: EngineStats, new_tokens: int, seconds: float) -> None:
+    def engine_step(self, stats: EngineStats, new_tokens: int, seconds: float, collectives: dict[str, float]) -> None:
         self.running.set(stats.running_requests)
         self.waiting.set(stats.waiting_requests)
         self.kv_usage.set(stats.kv_usage)
@@ -57,6 +61,8 @@ class ServerMetrics:
         if new_tokens:
             self.generation_tokens.inc(new_tokens)
             self.step_seconds.observe(seconds)
+        for kind, spent in collectives.items():
+            self.collective_seconds.labels(kind).observe(spent)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
