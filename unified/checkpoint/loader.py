@@ -80,8 +80,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     path = Path(path)
     hf = read_hf_config(path)
     config = model_config_from_hf(hf)
+    ckpt = SafetensorsCheckpoint(path)  # reads the headers only
     check_layout(current_layout(), torch.distributed.get_world_size(), config)  # before reading any weight
-    ckpt = SafetensorsCheckpoint(path)
     with torch.device(device):
         model = CausalLM(config, dtype)
     rank, size = _tp_rank_size()
