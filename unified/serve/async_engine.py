@@ -16,12 +16,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from unified.engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from unified.engine.llm_engine import LLMEngine, RequestOutput
 from unified.engine.sampler import TokenLogprob
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.runtime.comm import CommLedger, recording
 
 log = logging.getLogger(__name__)
+STATS_INTERVAL_S = 0.25
 
 
 @dataclass
@@ -53,7 +54,8 @@ class _Stream:
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_step=None):
         """`on_step(stats, new_tokens, step_seconds, collective_seconds)` is called on the engine thread after
-        each step; `collective_seconds` (by kind) is empty in one process."""
+        each step and while idle; `stats` is None between refreshes, `collective_seconds` (by kind) is empty
+        in one process."""
         self.engine = engine
         self._on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -61,8 +63,8 @@ class EngineLoop:
         self._stopping = False
         self._streams: dict[str, _Stream] = {}
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self.stats: EngineStats = engine.stats()
         self._ledger = CommLedger()
+        self._stats_at = float("-inf")
 
     def start(self) -> None:
         self._thread.start()
@@ -171,9 +173,13 @@ class EngineLoop:
         self._publish_stats(new_tokens, seconds)
 
     def _publish_stats(self, new_tokens: int, seconds: float) -> None:
-        self.stats = self.engine.stats()
-        if self._on_step:
-            self._on_step(self.stats, new_tokens, seconds, dict(self._ledger.seconds) if seconds else {})
+        if not self._on_step:
+            return
+        # Engine stats walk every running sequence's blocks: refresh them a few times a second, not every step.
+        now, stats = time.monotonic(), None
+        if now - self._stats_at >= STATS_INTERVAL_S or not seconds:
+            stats, self._stats_at = self.engine.stats(), now
+        self._on_step(stats, new_tokens, seconds, dict(self._ledger.seconds) if seconds else {})
 
     def _fail_all(self, err: Exception) -> None:
         for request_id, stream in list(self._streams.items()):

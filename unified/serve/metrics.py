@@ -2,8 +2,8 @@
 
 Request-level figures (status codes, time to first token, time per output token, token counts) are
 recorded by the HTTP handlers; engine-level gauges (running/waiting requests, KV-cache use, prefix-cache
-hit rate, fragmentation, and when distributed the time in each kind of collective) are refreshed by
-the engine thread after every step.
+hit rate, fragmentation) are refreshed by the engine thread a few times a second, token counts and, when
+distributed, the time in each kind of collective after every step.
 """
 from __future__ import annotations
 
@@ -49,7 +49,17 @@ class ServerMetrics:
         self.step_seconds = Histogram("unified_engine_step_seconds", "Duration of one engine step",
                                       buckets=_LATENCY_BUCKETS, registry=r)
 
-    def engine_step(self, stats: EngineStats, new_tokens: int, seconds: float, collectives: dict[str, float]) -> None:
+    def engine_step(self, stats: EngineStats | None, new_tokens: int, seconds: float,
+                    collectives: dict[str, float]) -> None:
+        if stats is not None:
+            self._engine_gauges(stats)
+        if new_tokens:
+            self.generation_tokens.inc(new_tokens)
+            self.step_seconds.observe(seconds)
+        for kind, spent in collectives.items():
+            self.collective_seconds.labels(kind).observe(spent)
+
+    def _engine_gauges(self, stats: EngineStats) -> None:
         self.running.set(stats.running_requests)
         self.waiting.set(stats.waiting_requests)
         self.kv_usage.set(stats.kv_usage)
@@ -58,11 +68,6 @@ class ServerMetrics:
         self.fragmentation.set(stats.fragmentation)
         self.prefix_hit_rate.set(stats.prefix_hit_rate)
         self.preemptions.set(stats.preemptions)
-        if new_tokens:
-            self.generation_tokens.inc(new_tokens)
-            self.step_seconds.observe(seconds)
-        for kind, spent in collectives.items():
-            self.collective_seconds.labels(kind).observe(spent)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
