@@ -110,25 +110,51 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     return LoadedModel(model, config, hf, path)
 
 
+def _gather_part(part: torch.Tensor, dim: int, heads: int | None, group) -> torch.Tensor:
+    """The whole of one tensor-parallel part from every rank's slice; a part of `heads` heads that the
+    ranks replicate (fewer heads than ranks) is rebuilt from one rank per head."""
+    size = group.size()
+    pieces = [torch.empty_like(part) for _ in range(size)]
+    torch.distributed.all_gather(pieces, part.contiguous(), group=group)
+    if heads is not None and heads < size:
+        pieces = [pieces[min(r for r in range(size) if r * heads // size == h)] for h in range(heads)]
+    return torch.cat(pieces, dim=dim)
+
+
 def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
-    """Our parameters under HF names and layouts (tensor parallel size 1)."""
+    """Our parameters under HF names and layouts. Under tensor parallelism every rank of the group must
+    call it (the slices are gathered); each gets the whole tensors."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
     state = dict(model.named_parameters()) | dict(model.named_buffers())
     out = {}
     for param in parameter_map(model.config):
+        if param.ours not in state:
+            continue  # another pipeline stage holds it
         tensor = state[param.ours].detach()
         rows = tensor.unbind(0) if param.stacked else [tensor]
+        tp = group.size() if param.split is not None else 1
         for names, row in zip(param.rows, rows):
-            sizes = list(param.sizes) if param.sizes else [row.shape[param.cat_dim] // len(names)] * len(names)
-            for name, part in zip(names, row.split(sizes, dim=param.cat_dim)):
+            full = param.sizes or [row.shape[param.cat_dim] * tp // len(names)] * len(names)
+            heads = [None if not param.unit else n // param.unit for n in full]
+            local = [n // tp if h is None or h >= tp else param.unit for n, h in zip(full, heads)]
+            for name, part, h in zip(names, row.split(local, dim=param.cat_dim), heads):
+                if tp > 1:
+                    part = _gather_part(part, param.split, h, group)
                 out[name] = part.contiguous().cpu()
     return out
 
 
 def export_hf(loaded: LoadedModel, out_dir: str | Path, max_shard_bytes: int = 5 * 1024 ** 3) -> Path:
-    """Writes config.json, safetensors shards and the tokenizer files of the source checkpoint."""
+    """Writes config.json, safetensors shards and the tokenizer files of the source checkpoint. Under
+    tensor parallelism every rank calls it and global rank 0 writes."""
+    state = hf_state_dict(loaded.model)
     out_dir = Path(out_dir)
+    if torch.distributed.get_rank() != 0:
+        return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_safetensors(hf_state_dict(loaded.model), out_dir, max_shard_bytes)
+    save_safetensors(state, out_dir, max_shard_bytes)
     loaded.hf_config.save_pretrained(out_dir)
     for name in SIDECAR_FILES:
         source = loaded.path / name

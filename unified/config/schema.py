@@ -70,6 +70,43 @@ class ParityCheckConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0  # 0: full fine-tuning; > 0: LoRA adapters of this rank, base weights frozen
+    alpha: float = 32.0
+    dropout: float = 0.0
+    targets: list[str] = field(default_factory=lambda: [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"])  # HF projection names
+    experts: bool = False  # also adapt routed experts' projections
+
+
+@dataclass
+class TrainConfig:
+    zero_stage: int = 1  # DeepSpeed ZeRO stage 0 (plain data parallel), 1, 2 or 3
+    offload_optimizer: bool = False  # ZeRO >= 1: optimizer state in CPU memory (DeepSpeed's CPU Adam)
+    offload_params: bool = False  # ZeRO-3: parameters in CPU memory
+    micro_batch_size: int = 4  # rows per rank per forward
+    gradient_accumulation_steps: int = 1
+    seq_len: int = 1024  # tokens per row; longer examples are truncated
+    packing: bool = True  # several examples per row, attention kept within each example
+    epochs: int = 1  # used when `steps` is not set
+    lr: float = 2e-5
+    min_lr_ratio: float = 0.1  # the schedule ends at lr * min_lr_ratio
+    schedule: str = "cosine"  # cosine | linear | constant (all after linear warm-up)
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0  # 0: no clipping
+    activation_checkpointing: bool = False  # recompute each layer in backward: less memory, ~1/3 more compute
+    save_every: int = 0  # steps between checkpoints; 0: only at the end
+    keep_checkpoints: int = 2
+    resume: bool = True  # continue from the newest checkpoint in `output` if there is one
+    shuffle: bool = True
+    wandb: str = "offline"  # offline | online | disabled
+    wandb_project: str = "unified"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+@dataclass
 class RunConfig:
     job: str = MISSING  # which job the recipe runs
     model: str = "smollm2"  # a checkpoint folder or a built-in model name
@@ -87,6 +124,7 @@ class RunConfig:
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     check: ParityCheckConfig = field(default_factory=ParityCheckConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
 
 
 def register_schemas() -> None:
@@ -98,3 +136,4 @@ def register_schemas() -> None:
     store.store(group="parallel", name="parallel_schema", node=ParallelConfig)
     store.store(group="engine", name="engine_schema", node=EngineConfig)
     store.store(group="serve", name="serve_schema", node=ServeConfig)
+    store.store(group="train", name="train_schema", node=TrainConfig)

@@ -20,10 +20,10 @@ class AttentionContext(Protocol):
         """q: [B, S, Hq, Dqk], k: [B, S, Hkv, Dqk], v: [B, S, Hkv, Dv] -> [B, S, Hq, Dv]."""
         ...
 
-    def attend_latent(self, layer: int, q: torch.Tensor, kv: torch.Tensor, v_dim: int, scale: float) -> torch.Tensor:
-        """MLA in latent space: q: [B, S, H, R+P], kv: [B, S, 1, R+P] (the values are kv[..., :v_dim])
-        -> [B, S, H, v_dim]. The context stores kv, one entry per token, shared by all heads."""
-        ...
+    # Contexts that cache MLA's compressed latent (an inference KV cache) also define
+    # attend_latent(layer, q [B, S, H, R+P], kv [B, S, 1, R+P], v_dim, scale) -> [B, S, H, v_dim]
+    # (values are kv[..., :v_dim]; one entry per token, shared by all heads). MLA then attends in latent
+    # space; without it MLA expands keys and values per head and calls `attend`.
 
 
 _current: contextvars.ContextVar[AttentionContext | None] = contextvars.ContextVar("forward_context", default=None)
@@ -40,3 +40,10 @@ def forward_context(ctx: AttentionContext) -> Iterator[AttentionContext]:
         yield ctx
     finally:
         _current.reset(token)
+
+
+def recompute_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """`context_fn` for torch.utils.checkpoint: a layer recomputed in backward (after the forward's
+    `with forward_context(...)` has exited) attends the way it did in the forward."""
+    ctx = get_forward_context()
+    return contextlib.nullcontext(), (forward_context(ctx) if ctx is not None else contextlib.nullcontext())

@@ -61,7 +61,7 @@ class MLAttention(nn.Module):
         q_rope = rope(q_rope, cos, sin)
         k_rope = rope(k_rope.view(b, s, 1, self.rope_dim), cos, sin)  # one rope key shared by all heads
         ctx = get_forward_context()
-        if ctx is not None:
+        if hasattr(ctx, "attend_latent"):
             return self.o_proj(self._attend_latent(ctx, q_nope, q_rope, latent, k_rope).reshape(b, s, -1))
 
         kv = self.kv_b_proj(latent).view(b, s, self.num_heads, self.nope_dim + self.v_dim)

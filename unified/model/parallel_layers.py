@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
@@ -47,6 +48,13 @@ def _normal_init(weight: torch.Tensor) -> None:
     torch.nn.init.normal_(weight, std=0.02)
 
 
+def _mark_split(weight: torch.Tensor, dim: int) -> None:
+    """Tags a weight as split across tensor-parallel ranks (megatron does so only when it initialises the
+    weight itself); gradient-norm code (DeepSpeed's clipping) then sums its norm over the ranks instead of
+    counting it once as a replicated weight."""
+    set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
+
+
 class PackableWeight:
     """An inference engine may attach a pre-packed copy of the weight (see kernels.linear)."""
 
@@ -63,6 +71,7 @@ class ColumnLinear(PackableWeight, ColumnParallelLinear):
     def __init__(self, in_features: int, out_features: int, config: ModelParallelConfig, bias: bool = False):
         super().__init__(in_features, out_features, config=config, init_method=_normal_init, bias=bias,
                          gather_output=False, tp_group=_tp_group())
+        _mark_split(self.weight, dim=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_group.size() > 1:
@@ -76,6 +85,7 @@ class RowLinear(PackableWeight, RowParallelLinear):
     def __init__(self, in_features: int, out_features: int, config: ModelParallelConfig, bias: bool = False):
         super().__init__(in_features, out_features, config=config, init_method=_normal_init, bias=bias,
                          input_is_parallel=True, skip_bias_add=False, tp_group=_tp_group())
+        _mark_split(self.weight, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = kernels.linear(x, self.weight, None, self.packed_weight)
@@ -101,6 +111,7 @@ def gather_vocab(x: torch.Tensor) -> torch.Tensor:
 class VocabEmbedding(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, config: ModelParallelConfig):
         super().__init__(vocab_size, hidden_size, init_method=_normal_init, config=config, tp_group=_tp_group())
+        _mark_split(self.weight, dim=0)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """megatron's lookup (each rank embeds the ids in its vocabulary slice, zeros elsewhere, then the

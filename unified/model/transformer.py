@@ -7,12 +7,15 @@ with image features already merged at the placeholder positions.
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from torch import nn
 
 import kernels
 
 from unified.model.attention import GQAttention
 from unified.model.config import ModelConfig
+from unified.model.forward_context import recompute_contexts
 from unified.model.mla import MLAttention
 from unified.model.mlp import GatedMLP
 from unified.model.moe import MoE
@@ -72,6 +75,7 @@ class CausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else None
         self.lm_head = ColumnLinear(config.hidden_size, config.vocab_size, mp) if stage.last and not tied else None
         self.tied_head_packed: tuple[torch.Tensor, int] | None = None
+        self.checkpoint_layers = False  # training: recompute each layer's activations in backward
         self.rope = RotaryEmbedding(config.rope_parameters, config.rope_head_dim, config.max_position_embeddings,
                                     interleaved=bool(config.mla and config.mla.rope_interleave))
 
@@ -90,8 +94,13 @@ class CausalLM(nn.Module):
         if positions.dim() == 1:
             positions = positions.expand(x.shape[0], -1)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for index, layer in self.layers.items():
-            x = layer(x, self.rope, cos, sin)
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(layer, x, self.rope, cos, sin, use_reentrant=False,
+                                                      context_fn=recompute_contexts)
+            else:
+                x = layer(x, self.rope, cos, sin)
             if layer_outputs is not None:
                 layer_outputs[int(index)] = x
         if not stage.last:
@@ -107,6 +116,8 @@ class CausalLM(nn.Module):
     def vocab_parallel_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V/tp]: this rank's slice of the vocabulary (for vocab-parallel cross-entropy)."""
         if self.lm_head is None:
+            if self.embed.tp_group.size() > 1:  # backward: sum the ranks' gradients of `hidden`, as ColumnLinear does
+                hidden = copy_to_tensor_model_parallel_region(hidden, group=self.embed.tp_group)
             return kernels.linear(hidden, self.embed.weight, None, self.tied_head_packed)
         return self.lm_head(hidden)
 

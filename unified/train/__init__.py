@@ -1,0 +1,1 @@
+"""Fine-tuning the shared model: full-parameter and LoRA training, checkpoints, export."""

@@ -1,0 +1,120 @@
+"""Training examples from JSONL: chat conversations or prompt/completion pairs, tokenized with labels.
+
+Each line is `{"messages": [{"role", "content"}, ...]}` (rendered with the model's chat template; loss on
+the assistant turns only, including the tokens that end each turn) or `{"prompt", "completion"}` (raw
+text; loss on the completion and the end-of-sequence token). A line that is not valid JSON or has the
+wrong shape is reported with its line number and skipped; the rest still train.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from unified.errors import UserError
+
+log = logging.getLogger(__name__)
+IGNORE = -100  # label of a token that does not count in the loss
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    labels: list[int]  # same length; IGNORE where no loss
+
+    @property
+    def num_targets(self) -> int:
+        return sum(label != IGNORE for label in self.labels)
+
+
+class BadLine(ValueError):
+    pass
+
+
+def _template_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _check_messages(messages) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise BadLine('"messages" must be a non-empty list')
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise BadLine(f'message {i} must be an object with string "role" and "content"')
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadLine("the conversation has no assistant message to learn from")
+
+
+def chat_example(tokenizer, messages: list[dict]) -> Example:
+    """Labels the tokens each assistant turn adds to the rendered conversation; relies on the template
+    rendering a prefix of the conversation as a prefix of the whole (true of chat templates in use)."""
+    if not tokenizer.chat_template:
+        raise UserError("this model's tokenizer has no chat template; use prompt/completion lines instead")
+    _check_messages(messages)
+    ids = _template_ids(tokenizer, messages, generation_prompt=False)
+    labels = [IGNORE] * len(ids)
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start = len(_template_ids(tokenizer, messages[:turn], generation_prompt=True))
+        through_turn = _template_ids(tokenizer, messages[:turn + 1], generation_prompt=False)
+        end = len(through_turn)
+        if ids[:end] != through_turn:
+            raise UserError("the chat template does not render a conversation's prefix as its prefix, so assistant "
+                            "tokens cannot be located; use prompt/completion lines for this model")
+        labels[start:end] = ids[start:end]
+    return Example(ids, labels)
+
+
+def completion_example(tokenizer, prompt: str, completion: str) -> Example:
+    if not isinstance(prompt, str) or not isinstance(completion, str) or not completion:
+        raise BadLine('"prompt" and "completion" must be strings, the completion non-empty')
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    completion_ids = tokenizer(completion, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        completion_ids = completion_ids + [tokenizer.eos_token_id]
+    return Example(prompt_ids + completion_ids, [IGNORE] * len(prompt_ids) + completion_ids)
+
+
+def parse_record(tokenizer, record) -> Example:
+    if not isinstance(record, dict):
+        raise BadLine("each line must be a JSON object")
+    if "messages" in record:
+        return chat_example(tokenizer, record["messages"])
+    if "prompt" in record and "completion" in record:
+        return completion_example(tokenizer, record["prompt"], record["completion"])
+    raise BadLine('a line needs "messages" (chat) or "prompt" and "completion"')
+
+
+def load_examples(path: str | Path, tokenizer, max_len: int) -> list[Example]:
+    """Every usable line of `path`, truncated to `max_len` tokens; reports skipped and truncated lines."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"data={path} is not a file; give a JSONL file of chat messages or prompt/completion pairs")
+    examples, skipped, truncated = [], 0, 0
+    with path.open(encoding="utf-8", errors="replace") as lines:
+        for lineno, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                example = parse_record(tokenizer, json.loads(line))
+            except (json.JSONDecodeError, BadLine) as err:
+                log.warning("%s:%d skipped: %s", path, lineno, err)
+                skipped += 1
+                continue
+            if len(example.input_ids) > max_len:
+                example = Example(example.input_ids[:max_len], example.labels[:max_len])
+                truncated += 1
+            if example.num_targets == 0:
+                log.warning("%s:%d skipped: no target tokens left within train.seq_len=%d", path, lineno, max_len)
+                skipped += 1
+                continue
+            examples.append(example)
+    if truncated:
+        log.warning("%d examples were longer than train.seq_len=%d tokens and were truncated", truncated, max_len)
+    if not examples:
+        raise UserError(f"{path} has no usable training examples ({skipped} lines skipped; see the warnings above)")
+    log.info("%s: %d examples, %d lines skipped", path, len(examples), skipped)
+    return examples

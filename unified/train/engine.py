@@ -1,0 +1,143 @@
+"""The shared model wrapped for training by DeepSpeed: ZeRO stage, offload, precision, optimizer, schedule.
+
+`TrainingModel` puts the loss inside one module forward, so that ZeRO-3 gathers every weight the loss
+reads (the tied embedding used as the head included). The loss is the sum of token losses scaled so that,
+after DeepSpeed divides by the accumulation steps and averages over data-parallel ranks, the gradient
+is that of the mean over every target token of the whole optimizer step, whatever the number of
+targets in each rank's rows; a curve is then the same on one rank and on many.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unified.config.schema import TrainConfig
+from unified.errors import UserError
+from unified.model.forward_context import forward_context
+from unified.model.transformer import CausalLM
+from unified.train.data import IGNORE
+from unified.train.packing import Batch, PackedAttention
+
+
+class TrainingModel(nn.Module):
+    def __init__(self, model: CausalLM):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
+                segments: torch.Tensor) -> torch.Tensor:
+        """Sum of the cross-entropy of every target token in the micro-batch."""
+        from megatron.core import parallel_state
+
+        with forward_context(PackedAttention(segments)):
+            hidden = self.model(input_ids, positions)  # [B, L, H]
+        keep = targets != IGNORE
+        hidden, targets = hidden[keep], targets[keep]  # [N, H], [N]: the head runs on target positions only
+        logits = self.model.vocab_parallel_logits(hidden).float()  # [N, V / tp]
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return F.cross_entropy(logits, targets, reduction="sum")
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        return vocab_parallel_cross_entropy(logits, targets).sum()
+
+
+class MegatronGroups:
+    """megatron-core's parallel_state in the shape DeepSpeed asks of an `mpu`."""
+
+    def __getattr__(self, name):
+        from megatron.core import parallel_state
+
+        return getattr(parallel_state, name)
+
+    def get_model_parallel_rank(self) -> int:
+        return torch.distributed.get_rank(self.get_model_parallel_group())
+
+    def get_model_parallel_world_size(self) -> int:
+        return torch.distributed.get_world_size(self.get_model_parallel_group())
+
+
+def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over `warmup_steps`, then cosine, linear or constant down to `min_lr_ratio`."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / (cfg.warmup_steps + 1)
+    if cfg.schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if cfg.schedule == "cosine" else 1 - progress
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape
+
+
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def check_train_config(cfg: TrainConfig) -> None:
+    """Every option a user can get wrong, checked before anything is loaded."""
+    if cfg.zero_stage not in (0, 1, 2, 3):
+        raise UserError(f"train.zero_stage={cfg.zero_stage} is not a ZeRO stage; choose 0, 1, 2 or 3")
+    if cfg.schedule not in ("cosine", "linear", "constant"):
+        raise UserError(f"train.schedule={cfg.schedule!r} is unknown; choose cosine, linear or constant")
+    if cfg.offload_params and cfg.zero_stage != 3:
+        raise UserError("train.offload_params needs train.zero_stage=3 (only ZeRO-3 partitions parameters)")
+    if cfg.offload_optimizer and cfg.zero_stage == 0:
+        raise UserError("train.offload_optimizer needs train.zero_stage 1, 2 or 3")
+    if cfg.wandb not in WANDB_MODES:
+        raise UserError(f"train.wandb={cfg.wandb!r} is unknown; choose {', '.join(WANDB_MODES)}")
+    for name in ("micro_batch_size", "gradient_accumulation_steps", "seq_len", "epochs"):
+        if getattr(cfg, name) < 1:
+            raise UserError(f"train.{name}={getattr(cfg, name)} must be at least 1")
+
+
+def deepspeed_config(cfg: TrainConfig, dtype: torch.dtype, dp_size: int) -> dict:
+    zero: dict = {"stage": cfg.zero_stage}
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "train_batch_size": cfg.micro_batch_size * cfg.gradient_accumulation_steps * dp_size,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,  # a torch optimizer: no JIT-compiled DeepSpeed op needed
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "fp16": {"enabled": dtype == torch.float16},
+        "steps_per_print": 1 << 30,
+    }
+    if cfg.max_grad_norm > 0:
+        config["gradient_clipping"] = cfg.max_grad_norm
+    if cfg.offload_optimizer:  # offloaded state is stepped by DeepSpeed's CPU Adam, which it builds itself
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay}}
+    return config
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in trainable if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def initialize(model: CausalLM, cfg: TrainConfig, dtype: torch.dtype, dp_size: int, total_steps: int):
+    """Returns the DeepSpeed engine around `TrainingModel(model)`."""
+    import deepspeed
+
+    wrapped = TrainingModel(model)
+    if cfg.zero_stage == 3 and model.lm_head is None and model.embed is not None:
+        deepspeed.zero.register_external_parameter(wrapped, model.embed.weight)  # the tied head reads it
+    config = deepspeed_config(cfg, dtype, dp_size)
+    groups = _param_groups(wrapped, cfg.weight_decay)
+    optimizer = None if "optimizer" in config else torch.optim.AdamW(groups, lr=cfg.lr)
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, cfg))  # noqa: E731
+    engine, *_ = deepspeed.initialize(model=wrapped, optimizer=optimizer, model_parameters=groups,
+                                      lr_scheduler=schedule, config=config, mpu=MegatronGroups())
+    return engine
+
+
+def micro_step(engine, batch: Batch, loss_scale: float) -> torch.Tensor:
+    """Forward and backward of one micro-batch; returns its unscaled token-loss sum."""
+    loss_sum = engine(batch.input_ids, batch.positions, batch.targets, batch.segments)
+    engine.backward(loss_sum * loss_scale)
+    engine.step()
+    return loss_sum.detach()
