@@ -10,6 +10,10 @@ tensor-parallel region) and do the matmul with `F.linear`. Parameters are alloca
 `use_cpu_initialization`, which creates them on the current default device (the `torch.device`
 context), so one code path builds a model on cpu, cuda, musa or meta. Weights come from a checkpoint,
 so megatron's random initialisation is skipped unless asked for.
+
+Column and row linears carry an optional `lora` adapter (unified.train.lora) whose output is added to
+theirs. It receives the layer's own input (before the column layer's copy-to-region) and does its own
+tensor-parallel mapping, so the base parameters keep their names and the path without one is unchanged.
 """
 from __future__ import annotations
 
@@ -72,11 +76,12 @@ class ColumnLinear(PackableWeight, ColumnParallelLinear):
         super().__init__(in_features, out_features, config=config, init_method=_normal_init, bias=bias,
                          gather_output=False, tp_group=_tp_group())
         _mark_split(self.weight, dim=0)
+        self.lora: torch.nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_group.size() > 1:
-            x = copy_to_tensor_model_parallel_region(x, group=self.tp_group)  # backward: all-reduce grads
-        return kernels.linear(x, self.weight, self.bias, self.packed_weight)
+        inp = copy_to_tensor_model_parallel_region(x, group=self.tp_group) if self.tp_group.size() > 1 else x
+        y = kernels.linear(inp, self.weight, self.bias, self.packed_weight)  # backward: inp's grads all-reduced
+        return y if self.lora is None else y + self.lora(x)
 
 
 class RowLinear(PackableWeight, RowParallelLinear):
@@ -86,13 +91,15 @@ class RowLinear(PackableWeight, RowParallelLinear):
         super().__init__(in_features, out_features, config=config, init_method=_normal_init, bias=bias,
                          input_is_parallel=True, skip_bias_add=False, tp_group=_tp_group())
         _mark_split(self.weight, dim=1)
+        self.lora: torch.nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = kernels.linear(x, self.weight, None, self.packed_weight)
         if self.tp_group.size() > 1:
             with collective("tp_all_reduce", y):
                 y = reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if self.lora is None else y + self.lora(x)
 
 
 def gather_vocab(x: torch.Tensor) -> torch.Tensor:
