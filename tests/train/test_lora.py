@@ -186,7 +186,7 @@ def test_merging_refreshes_packed_inference_weights(runtime, tiny_checkpoint):
 
 @pytest.mark.parametrize("family,targets", [
     ("llama", None),
-    ("deepseek_v3", ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+    ("deepseek_v3", None),  # kv_b_proj's adapter folded into the latent-space attention of the cache
 ])
 def test_engine_serves_unmerged_adapters_like_merged_weights(family, targets, runtime, tiny_checkpoint):
     from tests.engine.conftest import generate_all, make_engine, reference_logits, run_teacher_forced
@@ -209,23 +209,6 @@ def test_engine_serves_unmerged_adapters_like_merged_weights(family, targets, ru
     for got, want in zip(run_teacher_forced(merged, prompts, continuations), unmerged_logits):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     assert [o.outputs[0].token_ids for o in generate_all(merged, prompts, greedy)] == unmerged_tokens
-
-
-def test_unmerged_kv_b_proj_adapter_refuses_the_latent_cache(runtime, tiny_checkpoint):
-    from types import SimpleNamespace
-
-    from unified.model.forward_context import forward_context
-
-    def attend_latent(*args):
-        raise LookupError("reached the latent cache")
-
-    cache = SimpleNamespace(attend_latent=attend_latent)
-    loaded, _ = _adapted("deepseek_v3", tiny_checkpoint, ["kv_b_proj"])
-    with pytest.raises(UserError, match="merge_lora"), forward_context(cache):
-        _logits(loaded.model)
-    merge_lora(loaded.model)
-    with pytest.raises(LookupError), forward_context(cache):
-        _logits(loaded.model)
 
 
 def test_resumed_adapter_trains_only_itself(runtime, tiny_checkpoint, tmp_path):

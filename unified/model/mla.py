@@ -72,7 +72,7 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(b, s, -1))
 
     def _attend_latent(self, ctx, q_nope, q_rope, latent, k_rope) -> torch.Tensor:
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        w = self.kv_b_proj.effective_weight().view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, :self.nope_dim], w[:, self.nope_dim:]  # [H, nope, R], [H, v, R]
         q_latent = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)
         q = torch.cat((q_latent, q_rope), dim=-1)  # [B, S, H, R+P]

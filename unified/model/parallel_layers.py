@@ -83,6 +83,11 @@ class ColumnLinear(PackableWeight, ColumnParallelLinear):
         y = kernels.linear(inp, self.weight, self.bias, self.packed_weight)  # backward: inp's grads all-reduced
         return y if self.lora is None else y + self.lora(x)
 
+    def effective_weight(self) -> torch.Tensor:
+        """This rank's weight with the adapter folded in, for code that uses the matrix itself (MLA's
+        latent-space attention)."""
+        return self.weight if self.lora is None else self.weight + self.lora.delta_weight().to(self.weight.dtype)
+
 
 class RowLinear(PackableWeight, RowParallelLinear):
     """Input features split across tensor-parallel ranks; output all-reduced."""

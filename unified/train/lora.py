@@ -20,8 +20,8 @@ rank holds exactly the rows and columns of the base weight it holds; saving gath
 export does. Where KV heads are fewer than ranks, a replicated head's B is replicated too, and (as for
 the base weight) its copies get only their own rank's gradient.
 
-Routed MoE experts get no adapters. MLA's cached latent attention reads kv_b_proj's weight directly
-instead of calling the layer, so there an unmerged kv_b_proj adapter refuses to run: merge it first.
+Routed MoE experts get no adapters. MLA's cached latent attention uses kv_b_proj's matrix itself; it
+asks the layer for `effective_weight()`, which folds the adapter in.
 """
 from __future__ import annotations
 
@@ -41,7 +41,6 @@ from torch import nn
 from unified.checkpoint.hf_names import Param, parameter_map
 from unified.checkpoint.loader import _gather_part, _read_part, _tp_rank_size
 from unified.errors import UserError
-from unified.model.forward_context import get_forward_context
 from unified.model.parallel_layers import ColumnLinear, PackableWeight, RowLinear, _mark_split
 from unified.runtime.comm import collective
 
@@ -98,13 +97,6 @@ class LoraAdapter(nn.Module):
 
 def _add_lora(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
     return output + module.lora(args[0])
-
-
-def _refuse_latent_attention(module: nn.Module, args: tuple) -> None:
-    if getattr(get_forward_context(), "attend_latent", None) is not None:
-        raise UserError("MLA's cached attention reads kv_b_proj's weight directly, so an unmerged kv_b_proj LoRA "
-                        "adapter would be ignored; merge_lora(model) before serving, or leave kv_b_proj out of the "
-                        "targets")
 
 
 def _projections(param: Param) -> list[str]:
@@ -173,9 +165,6 @@ def _attach(model: nn.Module, name: str, host: nn.Module, adapter: LoraAdapter) 
     host.lora = adapter
     if not isinstance(host, (ColumnLinear, RowLinear)):  # MLA's replicated down-projections
         adapter.handles.append(host.register_forward_hook(_add_lora))
-    if name.endswith(".attn.kv_b_proj"):
-        adapter.handles.append(model.get_submodule(name.removesuffix(".kv_b_proj"))
-                               .register_forward_pre_hook(_refuse_latent_attention))
 
 
 def _adapted(model: nn.Module) -> list[nn.Module]:

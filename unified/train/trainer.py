@@ -71,8 +71,7 @@ def _export(engine, loaded, tc, output: Path) -> None:
         if tc.lora.rank > 0:
             from unified.train.lora import merge_lora, save_adapter
 
-            if torch.distributed.get_rank() == 0:
-                save_adapter(loaded.model, output / ADAPTER, base_model=str(loaded.path))
+            save_adapter(loaded.model, output / ADAPTER, base_model=str(loaded.path))  # collective, like export_hf
             merge_lora(loaded.model)
         export_hf(loaded, output)  # every tensor-parallel rank takes part; rank 0 writes
     log.info("wrote the fine-tuned model to %s", output)
