@@ -94,25 +94,28 @@ def smollm2_checkpoint():
     return resolve_model("smollm2")
 
 
-@pytest.fixture(scope="session")
-def tiny_chat_checkpoint(tmp_path_factory, smollm2_checkpoint):
-    """A 2-layer random Llama with the built-in model's tokenizer and chat template: fast, but chats.
+def build_tiny_chat_checkpoint(path: Path, tokenizer_from: Path, seed: int = 0, hidden_size: int = 64) -> Path:
+    """A 2-layer random Llama with `tokenizer_from`'s tokenizer and chat template: fast, but chats.
 
     Its weights are drawn wide (std 0.5) so logits are spread and greedy choices have clear margins."""
     import shutil
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-chat")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=49152, hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                          initializer_range=0.5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     LlamaForCausalLM(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
-        if (smollm2_checkpoint / name).is_file():
-            shutil.copy(smollm2_checkpoint / name, path / name)
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, path / name)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_checkpoint(tmp_path_factory, smollm2_checkpoint):
+    return build_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny-chat"), smollm2_checkpoint)
 
 
 def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:

@@ -40,6 +40,17 @@ def generate_all(engine: LLMEngine, prompts, params):
     return [done[i] for i in ids]
 
 
+def greedy_answer(path, prompt: str | list[int], max_tokens: int) -> str:
+    """What the engine on one rank, in this process, answers greedily on the checkpoint at `path`."""
+    from transformers import AutoTokenizer
+
+    from unified.engine.sampling_params import SamplingParams
+
+    engine = make_engine(load_model(path), AutoTokenizer.from_pretrained(path), block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return generate_all(engine, [prompt], params)[0].outputs[0].text
+
+
 def run_teacher_forced(engine: LLMEngine, prompts: list[list[int]], continuations: list[list[int]]):
     from unified.engine.sampling_params import SamplingParams
 

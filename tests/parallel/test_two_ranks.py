@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, run_cli
+from tests.engine.conftest import greedy_answer
 from tests.serve.conftest import free_port
 
 BIN = Path(sys.executable).parent
@@ -46,20 +47,25 @@ def test_split_model_matches_transformers(tiny_checkpoint, launcher, layout, fam
     assert "layer 2 " in result.stdout  # every stage's layers are in the report
 
 
-@pytest.fixture(scope="module")
-def tiny_mqa_checkpoint(tmp_path_factory, smollm2_checkpoint):
+def build_tiny_mqa_checkpoint(path: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     """One KV head, so tensor parallel 2 replicates it; the built-in tokenizer, so batch inference runs."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    path = tmp_path_factory.mktemp("tiny-mqa")
+    torch.manual_seed(seed)
     config = AutoConfig.for_model("qwen3_moe", vocab_size=49152, hidden_size=64, intermediate_size=96,
                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
                                   num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                   max_position_embeddings=512, initializer_range=0.5)
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(smollm2_checkpoint / name, path / name)
+        shutil.copy(tokenizer_from / name, path / name)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_mqa_checkpoint(tmp_path_factory, smollm2_checkpoint):
+    return build_tiny_mqa_checkpoint(tmp_path_factory.mktemp("tiny-mqa"), smollm2_checkpoint)
 
 
 def _batch_logprobs(path: Path) -> dict[str, list]:
@@ -85,20 +91,24 @@ def test_engine_agrees_across_layouts(tiny_mqa_checkpoint, tmp_path):
             assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(split[request_id], entries)) < 1e-4, layout
 
 
-def test_serving_on_two_ranks_reports_collectives_and_stops_cleanly(tiny_mqa_checkpoint):
+def test_serving_on_two_ranks_reports_collectives_reloads_weights_and_stops_cleanly(
+        tiny_mqa_checkpoint, smollm2_checkpoint, tmp_path, runtime):
     import signal
     import time
 
     import httpx
 
+    other = build_tiny_mqa_checkpoint(tmp_path / "tiny-mqa-seed-1", smollm2_checkpoint, seed=1)
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
     server = subprocess.Popen(
         [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "unified",
          "recipe=serve", f"model={tiny_mqa_checkpoint}", f"port={port}", "parallel=tp2", "engine.num_blocks=64",
-         "serve.warm_up=false"],
+         "serve.warm_up=false", "serve.allow_weight_reload=true"],
         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tempfile.mkdtemp())
     base = f"http://127.0.0.1:{port}"
+    request = {"model": tiny_mqa_checkpoint.name, "prompt": "Hello there", "max_tokens": 6, "ignore_eos": True,
+               "temperature": 0}
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -109,11 +119,19 @@ def test_serving_on_two_ranks_reports_collectives_and_stops_cleanly(tiny_mqa_che
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        answer = httpx.post(base + "/v1/completions", timeout=60, json={
-            "model": tiny_mqa_checkpoint.name, "prompt": "Hello there", "max_tokens": 6, "ignore_eos": True})
+        answer = httpx.post(base + "/v1/completions", timeout=60, json=request)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
         metrics = httpx.get(base + "/metrics", timeout=10).text
         assert 'unified_collective_seconds_count{kind="tp_all_reduce"}' in metrics
+
+        # Both ranks swap their shard: the split model then answers as the new checkpoint does on one rank.
+        reloaded = httpx.post(base + "/v1/admin/reload_weights", json={"path": str(other)}, timeout=120)
+        assert reloaded.status_code == 200 and reloaded.json()["weights_version"] == 1, reloaded.text
+        expected = greedy_answer(other, request["prompt"], 6)
+        assert expected != answer.json()["choices"][0]["text"]
+        after = httpx.post(base + "/v1/completions", timeout=60, json=request)
+        assert after.json()["choices"][0]["text"] == expected
+
         server.send_signal(signal.SIGTERM)  # torchrun passes it on to every rank
         server.wait(120)
         log.seek(0)

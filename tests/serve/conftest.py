@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -72,6 +73,26 @@ class ServerProcess:
                 self.proc.wait()
         assert not os.listdir(self.cwd), f"the server cluttered its working directory: {os.listdir(self.cwd)}"
         return self.proc.returncode
+
+
+def stream_in_background(url: str, body: dict, headers: dict | None = None) -> tuple[list[str], threading.Thread]:
+    """Starts a streaming request on a thread; returns once its first event arrived.
+
+    The list fills with each event's data as it arrives; join the thread to wait for the end."""
+    events, first_event = [], threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first_event.set()
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert first_event.wait(60), "no streamed event within 60 s"
+    return events, client
 
 
 # A tiny model with small limits, so fuzzed and concurrent requests stay fast.

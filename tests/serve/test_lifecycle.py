@@ -3,35 +3,14 @@ from __future__ import annotations
 
 import json
 import signal
-import threading
 import time
 
 import httpx
 
-from tests.serve.conftest import ServerProcess
+from tests.serve.conftest import ServerProcess, stream_in_background
 
 KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {KEY}"}
-
-
-def _stream_in_background(url: str, body: dict, headers: dict | None = None) -> tuple[list[str], threading.Thread]:
-    """Starts a streaming request on a thread; returns once its first event arrived.
-
-    The list fills with each event's data as it arrives; join the thread to wait for the end."""
-    events, first_event = [], threading.Event()
-
-    def stream() -> None:
-        with httpx.stream("POST", url, json=body, headers=headers, timeout=120) as response:
-            assert response.status_code == 200, response.read()
-            for line in response.iter_lines():
-                if line.startswith("data: "):
-                    events.append(line[6:])
-                    first_event.set()
-
-    client = threading.Thread(target=stream)
-    client.start()
-    assert first_event.wait(60), "no streamed event within 60 s"
-    return events, client
 
 
 def _watch_start_up(server: ServerProcess) -> tuple[list[dict], httpx.Response]:
@@ -74,8 +53,8 @@ def test_start_up_auth_answer_and_graceful_shutdown(smollm2_checkpoint):
         assert "Paris" in answer.json()["choices"][0]["message"]["content"]
 
         # SIGTERM while a stream is in flight: the stream finishes, new connections are refused, exit 0.
-        events, client = _stream_in_background(url, {**chat, "max_tokens": 32, "stream": True, "ignore_eos": True},
-                                               AUTH)
+        events, client = stream_in_background(url, {**chat, "max_tokens": 32, "stream": True, "ignore_eos": True},
+                                              AUTH)
         stopped_at = time.monotonic()
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(1)
@@ -99,7 +78,7 @@ def test_shutdown_deadline_cancels_what_is_left(tiny_chat_checkpoint):
     server = ServerProcess(tiny_chat_checkpoint, "serve.shutdown_timeout_s=0.5", "serve.warm_up=false")
     try:
         server.wait_ready()
-        events, client = _stream_in_background(server.base_url + "/v1/completions", {
+        events, client = stream_in_background(server.base_url + "/v1/completions", {
             "model": server.model_name, "prompt": "Go on", "max_tokens": 1000, "stream": True, "ignore_eos": True})
         server.proc.send_signal(signal.SIGTERM)
         client.join(60)

@@ -54,6 +54,8 @@ class ServeConfig:
     warm_up: bool = True  # run representative batch shapes before reporting ready
     retry_after_s: int = 5  # Retry-After sent with 503 while starting
     shutdown_timeout_s: float = 10.0  # in-flight requests get this long after SIGTERM, then are cancelled
+    conversation_log: Optional[str] = None  # JSONL file recording each chat completion and feedback on it; None: off
+    allow_weight_reload: bool = False  # POST /v1/admin/reload_weights may replace the served weights
 
 
 @dataclass

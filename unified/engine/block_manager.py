@@ -106,7 +106,7 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publishes the blocks whose tokens are all computed, so later requests can reuse them."""
-        if not self.prefix_caching:
+        if not self.prefix_caching or not seq.publishes_blocks:
             return
         size = self.block_size
         done = seq.num_hashed_blocks

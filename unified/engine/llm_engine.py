@@ -23,6 +23,7 @@ from unified.engine.sampler import TokenLogprob, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
+from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
 from unified.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class LLMEngine:
                         self.max_model_len, context)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+        self.weights_version = 0  # how many times update_weights replaced the weights
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d bytes/token)", num_blocks,
                  engine_cfg.block_size, num_blocks * engine_cfg.block_size, cache.total_bytes / 2 ** 20,
@@ -177,7 +179,46 @@ class LLMEngine:
             # A launcher signals every rank; followers end when the driver, shutting down, releases them.
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
-        self.runner.follow()
+        self.runner.follow(self._follow_command)
+
+    def _follow_command(self, command: UpdateWeights) -> None:
+        try:
+            staged, error = stage_weights(command.path, self.model, self.dtype), None
+        except Exception as err:  # noqa: BLE001 - the driver reports it; this rank must stay in step
+            staged, error = None, f"{type(err).__name__}: {err}"
+        try:
+            self._swap_weights(staged, error)
+        except WeightMismatch as err:
+            log.warning("weights not updated: %s", err)
+
+    def update_weights(self, path: str, staged: dict[str, torch.Tensor]) -> int:
+        """Driver, between steps: replaces the weights with `staged` (from `stage_weights(path, ...)`) on
+        every rank; followers stage their own shard of `path`. Returns the new weights version.
+
+        Requests in flight go on with the new weights over K/V computed with the old ones (as weight
+        updates in vLLM do); the prefix cache is emptied and those requests publish no more blocks to it,
+        so no request admitted after the swap reuses K/V of the old weights. If any rank cannot stage
+        its shard, no rank swaps and WeightMismatch says why."""
+        if self.runner.distributed:
+            self.runner.command(UpdateWeights(str(path)))
+        self._swap_weights(staged, None)
+        return self.weights_version
+
+    def _swap_weights(self, staged: dict[str, torch.Tensor] | None, error: str | None) -> None:
+        if self.runner.distributed:  # every rank swaps, or none
+            errors = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(errors, error)
+            failed = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e]
+            if failed:
+                raise WeightMismatch(f"the served weights were kept: {'; '.join(failed)}")
+        copy_weights(self.model, staged)
+        if self.cfg.packed_weights:
+            self.model.pack_weights(self.cfg.max_num_seqs)
+        self.blocks.reset_prefix_cache()
+        for request in self.requests.values():
+            for seq in request.seqs:
+                seq.publishes_blocks = not seq.block_table
+        self.weights_version += 1
 
     def shutdown(self) -> None:
         """Driver: releases the ranks that follow it (a no-op in one process)."""

@@ -6,7 +6,8 @@ last position of each sequence that reaches its end this step goes through the L
 
 Across ranks (tensor, pipeline, expert parallel) one scheduler drives: the driver (global rank 0)
 prepares each step's inputs and broadcasts them; every other rank `follow()`s, running the same
-forward (its shard of it) until the driver says stop. Only the driver's logits are used.
+forward (its shard of it) until the driver says stop. Only the driver's logits are used. Between steps
+the driver may broadcast a command instead of a step (a weight update), which every follower obeys.
 """
 from __future__ import annotations
 
@@ -60,14 +61,22 @@ class ModelRunner:
             torch.distributed.broadcast_object_list([plan], src=0)
         return self._run(*plan)
 
-    def follow(self) -> None:
-        """On a non-driver rank: runs the driver's steps until it calls `stop_followers()`."""
+    def follow(self, on_command) -> None:
+        """On a non-driver rank: runs the driver's steps, and passes its `command()`s to `on_command`,
+        until it calls `stop_followers()`."""
         while True:
             box = [None]
             torch.distributed.broadcast_object_list(box, src=0)
             if box[0] is None:
                 return
-            self._run(*box[0])
+            if isinstance(box[0], tuple):
+                self._run(*box[0])
+            else:
+                on_command(box[0])
+
+    def command(self, message) -> None:
+        """On the driver, between steps: sends every follower a message that is not a step."""
+        torch.distributed.broadcast_object_list([message], src=0)
 
     def stop_followers(self) -> None:
         if self.distributed:

@@ -27,6 +27,7 @@ class Sequence:
         self.num_cached_prompt_tokens = 0  # of those, found in the prefix cache
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks already published to the prefix cache
+        self.publishes_blocks = True  # False once the weights changed under its K/V (until recomputed)
         self.finish_reason: str | None = None
         self.logprobs: list = []  # sampler.TokenLogprob per output token, when asked for
         self.generator = torch.Generator().manual_seed(seed)
@@ -56,4 +57,5 @@ class Sequence:
         """After preemption: K/V are gone; prompt and generated tokens are recomputed as one prompt."""
         self.num_computed_tokens = 0
         self.block_table = []
+        self.publishes_blocks = True
         self.status = Status.WAITING

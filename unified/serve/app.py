@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI routes, health, metrics, the playground page, and the guards around them.
+"""The FastAPI application: OpenAI routes, feedback and weight reload, health, metrics, the playground page,
+and the guards around them.
 
 Guards run as one plain ASGI middleware (so streaming and disconnect detection are untouched): the body
 size limit, the optional bearer token for `/v1/*`, and the request counter by status. Every error a client
@@ -6,6 +7,7 @@ can cause is answered in the OpenAI error shape with a 4xx; anything else is log
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
@@ -17,8 +19,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
+from unified.serve.conversation_log import ConversationLog
 from unified.serve.errors import APIError
 from unified.serve.metrics import ServerMetrics
+from unified.serve.online_api import router as online_router
 from unified.serve.openai_api import router as openai_router
 from unified.serve.startup import Startup
 
@@ -32,6 +36,8 @@ class ServerState:
         self.metrics = ServerMetrics()
         self.startup = Startup()
         self.api_key = os.environ.get(cfg.serve.api_key_env) or None
+        self.conversations = ConversationLog(cfg.serve.conversation_log) if cfg.serve.conversation_log else None
+        self.reloading = asyncio.Lock()  # one weight reload at a time
 
     def require_ready(self):
         if not self.startup.ready:
@@ -114,7 +120,8 @@ class Guards:
         return receive_limited
 
 
-_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/"}
+_ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/feedback", "/v1/admin/reload_weights",
+              "/health", "/metrics", "/"}
 
 
 def create_app(cfg) -> FastAPI:
@@ -126,12 +133,15 @@ def create_app(cfg) -> FastAPI:
         yield
         if state.startup.loop is not None:
             state.startup.loop.stop(timeout=cfg.serve.shutdown_timeout_s)
+        if state.conversations is not None:
+            state.conversations.close()
 
     app = FastAPI(title="unified", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible serving of the shared model definition.")
     app.state.server = state
     app.add_middleware(Guards, state=state)
     app.include_router(openai_router)
+    app.include_router(online_router)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
@@ -153,6 +163,7 @@ def create_app(cfg) -> FastAPI:
         report = state.startup.report()
         if state.startup.ready:
             report["model"] = state.model_name
+            report["weights_version"] = state.startup.loop.engine.weights_version
             return JSONResponse(report)
         return JSONResponse(report, status_code=503, headers={"Retry-After": str(cfg.serve.retry_after_s)})
 

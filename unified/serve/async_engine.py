@@ -4,7 +4,8 @@ The HTTP side never touches the engine: it posts `add` and `abort` messages to a
 thread drains between steps, and receives per-request updates (new tokens of each of the n sequences,
 then the final output) on an asyncio queue. The first message a request receives says whether the engine
 accepted it, so a handler can answer 400 before it starts a stream. A request whose consumer goes away
-(client disconnect) is aborted, which frees its KV blocks at the next step boundary.
+(client disconnect) is aborted, which frees its KV blocks at the next step boundary. A weight update
+is a message too: it is applied between two steps, while requests stay in flight.
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from dataclasses import dataclass, field
 from unified.engine.llm_engine import LLMEngine, RequestOutput
 from unified.engine.sampler import TokenLogprob
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
+from unified.engine.weight_update import WeightMismatch
 from unified.runtime.comm import CommLedger, recording
+from unified.serve.thread_futures import settle_from_thread
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.25
@@ -92,6 +95,14 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    async def update_weights(self, path: str, staged: dict) -> int:
+        """Swaps in `staged` (see `stage_weights`) at the next step boundary; returns the new weights
+        version once every rank serves it, or raises WeightMismatch with the old weights kept."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._post(("update_weights", (path, staged, loop, done)))
+        return await done
+
     def cancel_all(self, reason: str) -> None:
         """Ends every in-flight request with an error that says `reason` (used at the shutdown deadline)."""
         self._post(("cancel_all", reason))
@@ -134,6 +145,8 @@ class EngineLoop:
                 self._add(payload)
             elif kind == "cancel_all":
                 self._fail_all(RuntimeError(payload))
+            elif kind == "update_weights":
+                self._update_weights(*payload)
             elif payload in self._streams:
                 del self._streams[payload]
                 self.engine.abort(payload)
@@ -148,6 +161,17 @@ class EngineLoop:
         stream.sent = [0] * len(stream.seqs)
         self._streams[stream.request_id] = stream
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, True)
+
+    def _update_weights(self, path: str, staged: dict, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+        try:
+            outcome = self.engine.update_weights(path, staged)
+        except WeightMismatch as err:
+            outcome = err
+        except Exception as err:  # a bug: report it to the caller, keep serving
+            log.exception("weight update failed")
+            outcome = err
+        settle_from_thread(loop, done, outcome)
+        self._stats_at = float("-inf")  # the prefix-cache figures changed
 
     def _publish(self, finished: list[RequestOutput], seconds: float) -> None:
         done = {output.request_id: output for output in finished}

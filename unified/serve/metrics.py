@@ -3,7 +3,7 @@
 Request-level figures (status codes, time to first token, time per output token, token counts) are
 recorded by the HTTP handlers; engine-level gauges (running/waiting requests, KV-cache use, prefix-cache
 hit rate, fragmentation) are refreshed by the engine thread a few times a second, token counts and, when
-distributed, the time in each kind of collective after every step.
+distributed, the time in each kind of collective after every step; the weights version by the reload handler.
 """
 from __future__ import annotations
 
@@ -46,6 +46,9 @@ class ServerMetrics:
         self.collective_seconds = Histogram("unified_collective_seconds",
                                             "Time per engine step in each kind of collective (distributed only)",
                                             ["kind"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.weights_version = Gauge("unified_weights_version", "Times the served weights were replaced since "
+                                     "start (POST /v1/admin/reload_weights); 0: the weights it started with",
+                                     registry=r)
         self.step_seconds = Histogram("unified_engine_step_seconds", "Duration of one engine step",
                                       buckets=_LATENCY_BUCKETS, registry=r)
 

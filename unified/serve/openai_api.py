@@ -3,12 +3,15 @@
 A handler turns the body into prompt token ids and sampling options (every limit checked here, before
 the engine sees the request), submits it to the engine loop, and either collects the final output or
 streams chunks as server-sent events. A client that goes away aborts its request, which frees its KV
-blocks at the next step boundary.
+blocks at the next step boundary. With a conversation log, a chat completion is on disk before the last
+of its answer is sent, so feedback on it can follow at once.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import logging
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -18,6 +21,7 @@ from jinja2 import TemplateError
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from unified.engine.sampling_params import InvalidRequest
+from unified.serve.conversation_log import conversation_record
 from unified.serve.detokenizer import IncrementalDetokenizer
 from unified.serve.errors import APIError
 from unified.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -25,6 +29,7 @@ from unified.serve.protocol import ChatCompletionRequest, CompletionRequest
 if TYPE_CHECKING:
     from unified.engine.sampler import TokenLogprob
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -44,7 +49,20 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         prompt = chat_prompt(loop.engine.tokenizer, messages)
     except (TemplateError, ValueError, TypeError) as err:  # the model's own template refused the conversation
         raise APIError(f"the model's chat template rejected these messages: {err}", param="messages") from None
-    return await _serve(request, body, prompt, _ChatFormat(body, server.model_name))
+    fmt = _ChatFormat(body, server.model_name)
+    on_finish = None
+    if server.conversations is not None:
+        on_finish = functools.partial(_log_conversation, server.conversations, fmt, messages,
+                                      loop.engine.weights_version)
+    return await _serve(request, body, prompt, fmt, on_finish)
+
+
+async def _log_conversation(conversations, fmt, messages: list[dict], weights_version: int, final) -> None:
+    record = conversation_record(fmt.id, fmt.created, fmt.model, weights_version, messages, final.outputs)
+    try:
+        await conversations.add_conversation(record)
+    except OSError:  # the writer logged why; the client still gets its answer
+        log.warning("chat completion %s answered but not logged", fmt.id)
 
 
 @router.post("/v1/completions")
@@ -68,7 +86,8 @@ def _text_of(content) -> str:
     return "".join(part.text for part in content)
 
 
-async def _serve(request: Request, body, prompt: list[int], fmt):
+async def _serve(request: Request, body, prompt: list[int], fmt, on_finish=None):
+    """`on_finish(final output)`, a coroutine function, runs before the last of the answer is sent."""
     server = request.app.state.server
     loop, limits = server.startup.loop, server.limits
     if body.n > limits.max_n:
@@ -103,9 +122,11 @@ async def _serve(request: Request, body, prompt: list[int], fmt):
     timer = _Timer(server.metrics, arrival)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(loop, fmt, updates, choices, tokenizer, timer, include_usage, len(prompt)),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        events = _stream(loop, fmt, updates, choices, tokenizer, timer, include_usage, len(prompt), on_finish)
+        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     final = await _collect(request, loop, fmt.id, updates, timer)
+    if on_finish is not None:
+        await on_finish(final)
     return JSONResponse(fmt.response(final, tokenizer))
 
 
@@ -164,7 +185,8 @@ async def _collect(request: Request, loop, request_id: str, updates: asyncio.Que
         raise
 
 
-async def _stream(loop, fmt, updates, choices, tokenizer, timer: _Timer, include_usage: bool, prompt_tokens: int):
+async def _stream(loop, fmt, updates, choices, tokenizer, timer: _Timer, include_usage: bool, prompt_tokens: int,
+                  on_finish):
     finished = False
     try:
         while not finished:
@@ -184,6 +206,8 @@ async def _stream(loop, fmt, updates, choices, tokenizer, timer: _Timer, include
             if update.final is not None:
                 finished = True
                 timer.done(update.final)
+                if on_finish is not None:
+                    await on_finish(update.final)
                 for output in update.final.outputs:
                     rest = choices[output.index].detokenizer.finish(output.text)
                     yield _sse(fmt.chunk(output.index, rest, None, output.finish_reason,

@@ -3,7 +3,8 @@
 Models are strict and closed: a wrong type or an unknown field is a 400 that names it, as the OpenAI API
 does. Fields the reference documents but we do not implement are absent, so they are refused by name
 rather than silently ignored. Engine options OpenAI lacks (`top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`) are accepted as extra body fields, as in vLLM.
+`ignore_eos`, `stop_token_ids`) are accepted as extra body fields, as in vLLM. The bodies of our own
+routes (feedback, weight reload) follow the same rules.
 """
 from __future__ import annotations
 
@@ -107,3 +108,14 @@ class CompletionRequest(_Sampling):
 
     def logprobs_k(self) -> int | None:
         return self.logprobs
+
+
+class FeedbackRequest(_Body):
+    id: str = Field(min_length=1, description="the `id` of a chat completion this server answered")
+    accepted: bool
+    comment: str | None = None
+
+
+class ReloadWeightsRequest(_Body):
+    path: str = Field(min_length=1, description="a checkpoint folder of the served architecture that every rank "
+                                                "can read")
