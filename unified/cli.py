@@ -20,6 +20,7 @@ JOBS = {
     "batch": "unified.jobs.batch",
     "serve": "unified.jobs.serve",
     "train": "unified.jobs.train",
+    "online": "unified.jobs.online",
 }
 
 

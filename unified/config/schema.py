@@ -109,6 +109,14 @@ class TrainConfig:
 
 
 @dataclass
+class OnlineConfig:
+    server: Optional[str] = None  # base URL of the running server to hot-swap (http://host:port); None: train and gate only
+    heldout: Optional[str] = None  # JSONL of conversations whose behaviour must not change; None: the log's unrated ones
+    min_parity_cosine: float = 0.98  # mean logits cosine, candidate vs current model, on the held-back set
+    min_improvement: float = 0.05  # nats per token the candidate must gain on the accepted replies
+
+
+@dataclass
 class RunConfig:
     job: str = MISSING  # which job the recipe runs
     model: str = "smollm2"  # a checkpoint folder or a built-in model name
@@ -127,6 +135,7 @@ class RunConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     check: ParityCheckConfig = field(default_factory=ParityCheckConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    online: OnlineConfig = field(default_factory=OnlineConfig)
 
 
 def register_schemas() -> None:

@@ -37,7 +37,7 @@ def _template_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> l
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
-def _check_messages(messages) -> None:
+def check_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
         raise BadLine('"messages" must be a non-empty list')
     for i, m in enumerate(messages):
@@ -52,7 +52,7 @@ def chat_example(tokenizer, messages: list[dict]) -> Example:
     rendering a prefix of the conversation as a prefix of the whole (true of chat templates in use)."""
     if not tokenizer.chat_template:
         raise UserError("this model's tokenizer has no chat template; use prompt/completion lines instead")
-    _check_messages(messages)
+    check_messages(messages)
     ids = _template_ids(tokenizer, messages, generation_prompt=False)
     labels = [IGNORE] * len(ids)
     for turn, message in enumerate(messages):
