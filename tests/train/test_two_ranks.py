@@ -1,5 +1,6 @@
 """Training on two CPU ranks (gloo) follows the one-rank loss curve: data parallel under ZeRO-1, -2 and
--3 (through both launchers), and tensor parallel, whose export gathers the slices into one checkpoint."""
+-3 (through both launchers), and tensor parallel (also with sequence parallel and recomputation), whose
+export gathers the slices into one checkpoint."""
 from __future__ import annotations
 
 import pytest
@@ -39,6 +40,8 @@ def one_rank(chat_checkpoint, data, tmp_path_factory):
     ("torchrun", ("train.zero_stage=2", "train.micro_batch_size=1")),
     ("deepspeed", ("train.zero_stage=3", "train.micro_batch_size=1")),
     ("deepspeed", ("parallel=tp2", "train.micro_batch_size=2")),  # TP=2: both ranks see every row
+    ("deepspeed", ("parallel=tp2", "train.micro_batch_size=2", "train.sequence_parallel=true",
+                   "train.activation_checkpointing=true")),
 ])
 def test_two_ranks_follow_the_one_rank_loss_curve(chat_checkpoint, data, one_rank, tmp_path, launcher, options):
     output = tmp_path / "out"

@@ -99,6 +99,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0  # 0: no clipping
     activation_checkpointing: bool = False  # recompute each layer in backward: less memory, ~1/3 more compute
+    sequence_parallel: bool = False  # under tensor parallel: norms and residuals hold 1/tp of the sequence
     save_every: int = 0  # steps between checkpoints; 0: only at the end
     keep_checkpoints: int = 2
     resume: bool = True  # continue from the newest checkpoint in `output` if there is one

@@ -60,13 +60,16 @@ class GQAttention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            for weight in (self.q_norm.weight, self.k_norm.weight):
+                weight.partial_grad_over_tp = True  # shared by the heads, which the ranks split
         else:
             self.q_norm = self.k_norm = None
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
+        qkv = self.qkv_proj(x)  # [B, S, ...]: the whole sequence, also when x holds a sequence-parallel slice
+        b, s, _ = qkv.shape
         heads = self.num_heads + 2 * self.num_kv_heads
-        qkv = self.qkv_proj(x).view(b, s, heads, self.head_dim)
+        qkv = qkv.view(b, s, heads, self.head_dim)
         qk, v = qkv[:, :, :self.num_heads + self.num_kv_heads], qkv[:, :, self.num_heads + self.num_kv_heads:]
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)

@@ -13,6 +13,7 @@ width kv_lora_rank + rope dim) and the cache never holds per-head K/V.
 from __future__ import annotations
 
 import torch
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from torch import nn
 
 from unified.model.attention import attend
@@ -60,6 +61,9 @@ class MLAttention(nn.Module):
         latent = self.kv_a_norm(latent)
         q_rope = rope(q_rope, cos, sin)
         k_rope = rope(k_rope.view(b, s, 1, self.rope_dim), cos, sin)  # one rope key shared by all heads
+        if self.kv_b_proj.tp_group.size() > 1 and torch.is_grad_enabled():
+            # Each rank's heads give only part of the shared key's gradient: sum it over the ranks in backward.
+            k_rope = copy_to_tensor_model_parallel_region(k_rope, group=self.kv_b_proj.tp_group)
         ctx = get_forward_context()
         if hasattr(ctx, "attend_latent"):
             return self.o_proj(self._attend_latent(ctx, q_nope, q_rope, latent, k_rope).reshape(b, s, -1))

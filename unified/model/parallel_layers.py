@@ -27,6 +27,7 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 import kernels
+from unified.model import sequence_parallel
 from unified.runtime.comm import collective
 
 
@@ -79,7 +80,12 @@ class ColumnLinear(PackableWeight, ColumnParallelLinear):
         self.lora: torch.nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inp = copy_to_tensor_model_parallel_region(x, group=self.tp_group) if self.tp_group.size() > 1 else x
+        if sequence_parallel.active():
+            inp = sequence_parallel.gather(x, self.tp_group)  # backward: reduce-scatter of the input's grads
+        elif self.tp_group.size() > 1:
+            inp = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
+        else:
+            inp = x
         y = kernels.linear(inp, self.weight, self.bias, self.packed_weight)  # backward: inp's grads all-reduced
         return y if self.lora is None else y + self.lora(x)
 
@@ -100,7 +106,9 @@ class RowLinear(PackableWeight, RowParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = kernels.linear(x, self.weight, None, self.packed_weight)
-        if self.tp_group.size() > 1:
+        if sequence_parallel.active():
+            y = sequence_parallel.reduce_scatter(y, self.tp_group)
+        elif self.tp_group.size() > 1:
             with collective("tp_all_reduce", y):
                 y = reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
         y = y if self.bias is None else y + self.bias

@@ -6,6 +6,8 @@ with image features already merged at the placeholder positions.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.utils.checkpoint
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
@@ -22,7 +24,16 @@ from unified.model.moe import MoE
 from unified.model.norm import RMSNorm
 from unified.model.parallel_layers import ColumnLinear, PackableWeight, VocabEmbedding, gather_vocab, megatron_config
 from unified.model.rope import RotaryEmbedding
+from unified.model import sequence_parallel
 from unified.runtime.comm import collective
+
+
+@contextlib.contextmanager
+def _entered(*managers: contextlib.AbstractContextManager):
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
 
 
 class DecoderLayer(nn.Module):
@@ -76,6 +87,7 @@ class CausalLM(nn.Module):
         self.lm_head = ColumnLinear(config.hidden_size, config.vocab_size, mp) if stage.last and not tied else None
         self.tied_head_packed: tuple[torch.Tensor, int] | None = None
         self.checkpoint_layers = False  # training: recompute each layer's activations in backward
+        self.sequence_parallel = False  # training under tensor parallel: split the sequence between linears
         self.rope = RotaryEmbedding(config.rope_parameters, config.rope_head_dim, config.max_position_embeddings,
                                     interleaved=bool(config.mla and config.mla.rope_interleave))
 
@@ -94,20 +106,34 @@ class CausalLM(nn.Module):
         if positions.dim() == 1:
             positions = positions.expand(x.shape[0], -1)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
+        split = self.sequence_parallel and torch.is_grad_enabled() and self.embed.tp_group.size() > 1
+        if split:
+            x = sequence_parallel.scatter(x, self.embed.tp_group)  # [B, S/tp, H] until the final norm
+        with sequence_parallel.region() if split else contextlib.nullcontext():
+            x = self._layers(x, cos, sin, layer_outputs, split)
+            if not stage.last:
+                with collective("pp_send_recv", x):
+                    torch.distributed.send(x.contiguous(), stage.next)
+                return x
+            x = self.norm(x)
+        return sequence_parallel.gather(x, self.embed.tp_group, grad_is_partial=False) if split else x
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                layer_outputs: dict[int, torch.Tensor] | None, split: bool) -> torch.Tensor:
+        def recompute_in_the_same_contexts():
+            forward, recompute = recompute_contexts()
+            return forward, _entered(recompute, sequence_parallel.region() if split else contextlib.nullcontext())
+
         recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for index, layer in self.layers.items():
             if recompute:
                 x = torch.utils.checkpoint.checkpoint(layer, x, self.rope, cos, sin, use_reentrant=False,
-                                                      context_fn=recompute_contexts)
+                                                      context_fn=recompute_in_the_same_contexts)
             else:
                 x = layer(x, self.rope, cos, sin)
             if layer_outputs is not None:
                 layer_outputs[int(index)] = x
-        if not stage.last:
-            with collective("pp_send_recv", x):
-                torch.distributed.send(x.contiguous(), stage.next)
-            return x
-        return self.norm(x)
+        return x
 
     @property
     def dtype(self) -> torch.dtype:

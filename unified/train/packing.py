@@ -91,8 +91,10 @@ class Batch:
         return Batch(*(t.to(device) for t in (self.input_ids, self.positions, self.targets, self.segments)))
 
 
-def collate(examples: list[Example], rows: list[list[int]], pad_id: int) -> Batch:
+def collate(examples: list[Example], rows: list[list[int]], pad_id: int, multiple_of: int = 1) -> Batch:
+    """`multiple_of`: pad the width to a multiple of it (sequence parallelism splits it evenly)."""
     width = max(sum(len(examples[i].input_ids) for i in row) for row in rows)
+    width = -(-width // multiple_of) * multiple_of
     ids, pos, tgt, seg = (torch.full((len(rows), width), fill, dtype=torch.long) for fill in (pad_id, 0, IGNORE, -1))
     for r, row in enumerate(rows):
         at = 0

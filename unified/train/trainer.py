@@ -55,6 +55,38 @@ def _check_kv_heads(config, tp: int) -> None:
                         f"parallel.tensor={max(d for d in range(1, tp) if config.num_kv_heads % d == 0)}")
 
 
+def _check_sequence_parallel(config, tc, tp: int) -> None:
+    if not tc.sequence_parallel:
+        return
+    if tp < 2:
+        raise UserError("train.sequence_parallel splits the sequence over tensor-parallel ranks; it needs "
+                        "parallel.tensor of 2 or more")
+    if config.mla is not None or config.moe is not None or tc.lora.rank > 0:
+        raise UserError("train.sequence_parallel supports dense attention models with full fine-tuning; turn it "
+                        "off for MLA, MoE or LoRA runs")
+
+
+def _sum_partial_grads(model, tc) -> None:
+    """Replicated weights whose tensor-parallel ranks each see part of the work get the sum of the ranks'
+    gradients: qk-norms (shared by heads the ranks split) and, with sequence parallel, every weight used
+    on the split sequence."""
+    from megatron.core import parallel_state
+
+    from unified.model import sequence_parallel
+    from unified.model.norm import RMSNorm
+    from unified.model.parallel_layers import RowLinear
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    if group.size() == 1:
+        return
+    params = {id(p): p for p in model.parameters() if getattr(p, "partial_grad_over_tp", False)}
+    if tc.sequence_parallel:
+        model.sequence_parallel = True
+        params |= {id(m.weight): m.weight for m in model.modules() if isinstance(m, RMSNorm)}
+        params |= {id(m.bias): m.bias for m in model.modules() if isinstance(m, RowLinear) and m.bias is not None}
+    sequence_parallel.sum_partial_grads([p for p in params.values() if p.requires_grad], group)
+
+
 def _gathered(engine, zero_stage: int):
     """Full parameters for export: ZeRO-3 holds only a partition of each on every rank."""
     if zero_stage != 3:
@@ -94,7 +126,9 @@ def train(cfg) -> TrainResult:
     path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     examples = load_examples(cfg.data, tokenizer, tc.seq_len)
-    _check_kv_heads(model_config_from_hf(read_hf_config(path)), cfg.parallel.tensor)
+    config = model_config_from_hf(read_hf_config(path))
+    _check_kv_heads(config, cfg.parallel.tensor)
+    _check_sequence_parallel(config, tc, cfg.parallel.tensor)
     loaded = load_model(path, runtime.device, runtime.dtype)
     model = loaded.model
     model.train()
@@ -104,6 +138,7 @@ def train(cfg) -> TrainResult:
         from unified.train.lora import apply_lora
 
         apply_lora(model, tc.lora)
+    _sum_partial_grads(model, tc)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
 
@@ -134,7 +169,7 @@ def train(cfg) -> TrainResult:
         lr = engine.get_lr()[0]
         for m in range(accumulation):
             mine = rows[(m * dp + dp_rank) * micro:(m * dp + dp_rank + 1) * micro]
-            batch = collate(examples, mine, pad_id)
+            batch = collate(examples, mine, pad_id, cfg.parallel.tensor if tc.sequence_parallel else 1)
             totals[0] += float(micro_step(engine, batch.to(runtime.device), loss_scale))
             totals[1] += batch.num_tokens
         torch.distributed.all_reduce(totals, group=dp_group)
