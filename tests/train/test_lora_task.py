@@ -16,13 +16,17 @@ def _problems(count: int, rng: random.Random) -> list[tuple[list[dict], str]]:
     return out
 
 
-def _score(model: str, problems) -> float:
+def _answers(model: str, problems, **engine_options) -> list[str]:
     from unified.engine.llm import LLM
     from unified.engine.sampling_params import SamplingParams
 
-    with LLM(model, device="cpu", num_blocks=256) as llm:
+    with LLM(model, device="cpu", num_blocks=256, **engine_options) as llm:
         outputs = llm.chat([m for m, _ in problems], SamplingParams(temperature=0, max_tokens=8))
-    return sum(o.outputs[0].text.strip() == answer for o, (_, answer) in zip(outputs, problems)) / len(problems)
+    return [o.outputs[0].text.strip() for o in outputs]
+
+
+def _score(answers: list[str], problems) -> float:
+    return sum(got == answer for got, (_, answer) in zip(answers, problems)) / len(problems)
 
 
 def test_lora_fine_tuning_improves_the_held_out_score(smollm2_checkpoint, tmp_path):
@@ -38,6 +42,10 @@ def test_lora_fine_tuning_improves_the_held_out_score(smollm2_checkpoint, tmp_pa
     assert result.returncode == 0, result.stderr[-3000:]
     assert (output / "adapter" / "adapter_model.safetensors").is_file()
 
-    base, tuned = _score(str(smollm2_checkpoint), held_out), _score(str(output), held_out)
+    merged = _answers(str(output), held_out)
+    base, tuned = _score(_answers(str(smollm2_checkpoint), held_out), held_out), _score(merged, held_out)
     print(f"held-out exact-match: base {base:.2f}, LoRA-tuned {tuned:.2f}")
     assert tuned >= 0.5 and tuned >= base + 0.4
+    # The adapter served unmerged on the base model answers like the merged checkpoint.
+    unmerged = _answers(str(smollm2_checkpoint), held_out, lora_adapter=str(output / "adapter"))
+    assert _score(unmerged, held_out) >= tuned - 0.05 and sum(a == b for a, b in zip(unmerged, merged)) >= 0.9 * len(merged)

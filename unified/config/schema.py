@@ -40,6 +40,7 @@ class EngineConfig:
     num_blocks: Optional[int] = None  # fixes the cache size in blocks, overriding both budgets
     max_model_len: Optional[int] = None  # None: the model's context length
     packed_weights: bool = True  # CPU: keep MKL-packed weight copies (faster batched matmuls, more memory)
+    lora_adapter: Optional[str] = None  # a LoRA adapter folder (ours or peft's) served unmerged on the base model
 
 
 @dataclass

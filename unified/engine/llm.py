@@ -33,6 +33,10 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
     runtime = start_runtime(device, parallel, seed)
     path = resolve_model(model)
     loaded = load_model(path, runtime.device, runtime.dtype, weights_progress)
+    if engine.lora_adapter:
+        from unified.train.lora import load_adapter
+
+        load_adapter(loaded.model, engine.lora_adapter)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LLMEngine(loaded.model, tokenizer, engine, runtime.device, runtime.dtype, runtime.accelerator,
                      _eos_ids(tokenizer, path))
