@@ -9,8 +9,9 @@ channels of the keys (MLA's absorbed latent cache).
 This plain-PyTorch version is the reference and the CPU path. It reads only the blocks of the
 sequences in the batch, never the whole cache: all one-token (decode) queries go through a single
 gather of their slots, padded to the longest context, and one masked SDPA; each multi-token (prefill)
-chunk gathers its own blocks and runs one SDPA. Quantised caches (int8/int4 with per-token-per-head
-scales) are dequantised right after the gather.
+chunk gathers its own blocks and runs one SDPA. Quantised caches (int8/int4, see kernels/kv_quant.py)
+are dequantised right after the gather; int4 keys come back shifted by their cache's constant centre,
+which leaves the softmax unchanged.
 """
 from __future__ import annotations
 
@@ -108,12 +109,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def write_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor,
-             kv_bits: int | None) -> None:
-    """Stores x [T, H, D] at flat slot indices (block * block_size + offset), quantising if asked."""
+             kv_bits: int | None, centre: torch.Tensor | None = None) -> None:
+    """Stores x [T, H, D] at flat slot indices (block * block_size + offset), quantising if asked. int4 keys
+    pass their cache's `centre` [H, D], subtracted before quantising, and are stored with zero-points."""
     flat = cache.view(-1, *cache.shape[2:])
     if kv_bits is None:
         flat.index_copy_(0, slots, x.to(cache.dtype))
         return
-    values, scale = quantize_kv(x, kv_bits)
+    values, scale = quantize_kv(x, kv_bits, centre, zero_point=centre is not None)
     flat.index_copy_(0, slots, values)
     scale_cache.view(-1, *scale_cache.shape[2:]).index_copy_(0, slots, scale)

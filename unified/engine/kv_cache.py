@@ -1,11 +1,15 @@
 """The paged KV cache and the attention context the model runner sets for each forward pass.
 
 Per layer: K and V caches [num_blocks, block_size, kv_heads, head_dim] for GQA, or one latent cache
-[num_blocks, block_size, 1, kv_lora_rank + rope_dim] for MLA. Quantised caches store int8 values (or
-int4 packed two per byte) plus one fp32 scale per token per head.
+[num_blocks, block_size, 1, kv_lora_rank + rope_dim] for MLA. Quantised caches store int8 values plus
+one fp32 scale per token per head, or int4 values packed two per byte plus an fp16 scale per 32
+channels (kernels/kv_quant.py). int4 GQA keys also keep an fp16 zero per 32 channels and are centred on
+a per-layer constant, the mean of the first keys the layer writes: any constant is exact for attention,
+and this one removes the large per-channel offset that would otherwise take most of the int4 range.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -39,10 +43,16 @@ class CacheShape:
 
     def bytes_per_token(self, num_layers: int, dtype: torch.dtype, bits: int | None) -> int:
         if bits is None:
-            per_head = self.dim * dtype.itemsize
-        else:
-            per_head = kernels.packed_dim(self.dim, bits) + 4  # values + fp32 scale
-        return num_layers * self.entries * self.heads * per_head
+            return num_layers * self.entries * self.heads * self.dim * dtype.itemsize
+        per_head = 0
+        for entry in range(self.entries):
+            trailing, scale_dtype = kernels.scale_layout(self.dim, bits, self.zero_point(entry, bits))
+            per_head += kernels.packed_dim(self.dim, bits) + scale_dtype.itemsize * math.prod(trailing)
+        return num_layers * self.heads * per_head
+
+    def zero_point(self, entry: int, bits: int | None) -> bool:
+        """int4 GQA keys (entry 0 of 2) are centred and asymmetric; see kernels/kv_quant.py."""
+        return bits == 4 and self.entries == 2 and entry == 0
 
 
 class KVCache:
@@ -59,9 +69,20 @@ class KVCache:
         # torch.empty: pages are committed as they are written, and every slot is written before it is read.
         self.values = [[torch.empty(shape, dtype=storage_dtype, device=device) for _ in range(self.shape.entries)]
                        if i in layers else None for i in range(config.num_layers)]
-        self.scales = [[torch.empty(shape[:3], dtype=torch.float32, device=device) if self.bits else None
-                        for _ in range(self.shape.entries)] if i in layers else None for i in range(config.num_layers)]
+        self.scales = [[self._scales(shape[:3], e, device) for e in range(self.shape.entries)] if i in layers else None
+                       for i in range(config.num_layers)]
+        self.key_centres: list[torch.Tensor | None] = [None] * config.num_layers  # [heads, dim] fp32, int4 only
         self.bytes_per_token = self.shape.bytes_per_token(len(layers), dtype, self.bits)
+
+    def _scales(self, shape: tuple[int, ...], entry: int, device: torch.device) -> torch.Tensor | None:
+        if self.bits is None:
+            return None
+        trailing, dtype = kernels.scale_layout(self.shape.dim, self.bits, self.shape.zero_point(entry, self.bits))
+        return torch.empty(shape + trailing, dtype=dtype, device=device)
+
+    def reset_key_centres(self) -> None:
+        """Lets the next keys written set each layer's int4 centre; only while no cached keys are in use."""
+        self.key_centres = [None] * len(self.key_centres)
 
     @property
     def total_bytes(self) -> int:
@@ -94,8 +115,10 @@ class PagedAttentionContext:
                                        k_scale=scales[0], v_scale=v_scale, kv_bits=self.cache.bits, v_head_dim=v_dim)
 
     def attend(self, layer, q, k, v, scale, sliding_window):
-        values, scales = self.cache.values[layer], self.cache.scales[layer]
-        kernels.write_kv(values[0], scales[0], k[0], self.meta.slots, self.cache.bits)
+        values, scales, centres = self.cache.values[layer], self.cache.scales[layer], self.cache.key_centres
+        if self.cache.bits == 4 and centres[layer] is None:
+            centres[layer] = k[0].float().mean(0)
+        kernels.write_kv(values[0], scales[0], k[0], self.meta.slots, self.cache.bits, centres[layer])
         kernels.write_kv(values[1], scales[1], v[0], self.meta.slots, self.cache.bits)
         return self._paged(layer, q[0], scale, sliding_window, None).unsqueeze(0)
 

@@ -155,6 +155,7 @@ class LLMEngine:
             if progress:
                 progress(done, len(shapes))
         self.blocks.reset_prefix_cache()
+        self.runner.cache.reset_key_centres()  # centre int4 keys on real traffic, not the synthetic warm-up
 
     def stats(self) -> EngineStats:
         size, filled = self.cfg.block_size, {}
