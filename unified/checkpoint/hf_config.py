@@ -14,9 +14,11 @@ from unified.model.config import MLAConfig, MoEConfig, ModelConfig
 
 DENSE = ("llama", "mistral", "qwen2", "qwen3")
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "kimi_k2")
-SUPPORTED = DENSE + MOE
-# Kimi-K2 ships the DeepSeek-V3 architecture under its own model_type (with remote code).
-CONFIG_CLASS_OF = {"kimi_k2": "deepseek_v3"}
+VISION_LANGUAGE = ("qwen2_vl", "qwen2_5_vl", "kimi_k25", "llava")  # see hf_vision_config
+SUPPORTED = DENSE + MOE + VISION_LANGUAGE
+# Kimi-K2 ships the DeepSeek-V3 architecture under its own model_type (with remote code); the Qwen-VL text
+# models are Qwen2 with M-RoPE.
+CONFIG_CLASS_OF = {"kimi_k2": "deepseek_v3", "qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
 
 
 class UnsupportedModelError(UserError, ValueError):
@@ -100,6 +102,8 @@ def _moe(hf, family: str) -> MoEConfig:
 
 
 def model_config_from_hf(hf) -> ModelConfig:
+    if hf.model_type in VISION_LANGUAGE:
+        return _vision_language_config(hf)
     family = CONFIG_CLASS_OF.get(hf.model_type, hf.model_type)
     if getattr(hf, "mlp_bias", False):
         raise UnsupportedModelError("mlp_bias=True checkpoints are not supported")
@@ -130,3 +134,19 @@ def model_config_from_hf(hf) -> ModelConfig:
         mla=mla,
         moe=_moe(hf, family) if family in MOE else None,
     )
+
+
+def _vision_language_config(hf) -> ModelConfig:
+    """The text model from the family's text_config, with the vision tower and image placeholder added."""
+    from dataclasses import replace
+
+    from unified.checkpoint.hf_vision_config import image_token_id_of, vision_config_from_hf
+
+    text = hf.text_config
+    if CONFIG_CLASS_OF.get(text.model_type, text.model_type) not in DENSE + MOE:
+        raise UnsupportedModelError(f"{hf.model_type} with a {text.model_type!r} text model is not implemented "
+                                    f"natively; supported text models: {', '.join(DENSE + MOE)}")
+    config = model_config_from_hf(text)
+    return replace(config, tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+                   vision=vision_config_from_hf(hf), image_token_id=image_token_id_of(hf),
+                   mrope_section=config.rope_parameters.get("mrope_section"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from unified.checkpoint.hf_vision_names import text_prefixes, vision_params
 from unified.model.config import ModelConfig
 
 
@@ -104,11 +105,14 @@ def _moe(cfg: ModelConfig, ours: str, hf_layer: str) -> list[Param]:
 
 
 def parameter_map(cfg: ModelConfig) -> list[Param]:
-    params = [_single("embed.weight", "model.embed_tokens.weight", 0), _single("norm.weight", "model.norm.weight")]
+    """HF names as transformers writes them; a vision-language checkpoint in another layout is read through
+    hf_vision_names.in_checkpoint_layout."""
+    base, layer_prefix, head = text_prefixes(cfg)
+    params = [_single("embed.weight", f"{base}embed_tokens.weight", 0), _single("norm.weight", f"{base}norm.weight")]
     if not cfg.tie_word_embeddings:
-        params.append(_single("lm_head.weight", "lm_head.weight", 0))
+        params.append(_single("lm_head.weight", head, 0))
     for i in range(cfg.num_layers):
-        ours, hf = f"layers.{i}.", f"model.layers.{i}."
+        ours, hf = f"layers.{i}.", f"{layer_prefix}{i}."
         params += [_single(f"{ours}input_norm.weight", f"{hf}input_layernorm.weight"),
                    _single(f"{ours}post_attn_norm.weight", f"{hf}post_attention_layernorm.weight")]
         params += (_mla if cfg.mla else _gqa)(cfg, f"{ours}attn.", f"{hf}self_attn.")
@@ -116,4 +120,4 @@ def parameter_map(cfg: ModelConfig) -> list[Param]:
             params += _moe(cfg, f"{ours}mlp.", hf)
         else:
             params += _gated_mlp(f"{ours}mlp.", f"{hf}mlp.")
-    return params
+    return params + (vision_params(cfg, Param) if cfg.vision else [])

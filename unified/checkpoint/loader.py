@@ -15,8 +15,10 @@ import torch
 
 from unified.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from unified.checkpoint.hf_names import Param, parameter_map
+from unified.checkpoint.hf_vision_names import in_checkpoint_layout
 from unified.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, save_safetensors
 from unified.model.config import ModelConfig
+from unified.model.multimodal import VisionLanguageModel
 from unified.model.transformer import CausalLM
 from unified.runtime import check_layout, current_layout
 
@@ -27,7 +29,7 @@ SIDECAR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.
 
 @dataclass
 class LoadedModel:
-    model: CausalLM
+    model: CausalLM  # a VisionLanguageModel for vision-language checkpoints
     config: ModelConfig
     hf_config: object  # the transformers config the checkpoint was read with
     path: Path
@@ -83,11 +85,11 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     ckpt = SafetensorsCheckpoint(path)  # reads the headers only
     check_layout(current_layout(), torch.distributed.get_world_size(), config)  # before reading any weight
     with torch.device(device):
-        model = CausalLM(config, dtype)
+        model = VisionLanguageModel(config, dtype) if config.vision else CausalLM(config, dtype)
     rank, size = _tp_rank_size()
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
     filled = set()
-    params = parameter_map(config)
+    params = in_checkpoint_layout(parameter_map(config), config, ckpt.has)
     with torch.no_grad():
         for done, param in enumerate(params, start=1):
             if param.ours not in targets:

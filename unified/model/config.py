@@ -1,7 +1,8 @@
 """Architecture description shared by every model family.
 
-One dataclass covers dense and MoE decoders with GQA or MLA attention; each HF family is translated
-into it by `unified.checkpoint.hf_config`. The model code reads only this, never an HF config.
+One dataclass covers dense and MoE decoders with GQA or MLA attention, optionally with a vision tower
+in front (vision-language models); each HF family is translated into it by `unified.checkpoint.hf_config`.
+The model code reads only this, never an HF config.
 """
 from __future__ import annotations
 
@@ -38,6 +39,44 @@ class MoEConfig:
 
 
 @dataclass
+class VisionConfig:
+    """A ViT tower and the projector that maps its features to the language model's hidden size.
+
+    Every tower is a stack of pre-norm blocks (norm, attention within one image, norm, MLP); `kind` picks
+    the front end (patch embedding, positions) and the back end (merger / projector):
+      qwen2_vl, qwen2_5_vl: 3-D conv patches, 2-D rotary, merger of merge_size^2 patches (NaViT sizes)
+      kimi_k25: 2-D conv patches + interpolated learned positions, 2-D rotary, merge kernel + projector
+      clip: conv patches + class token + learned positions (LLaVA), features of `feature_layers`
+    """
+
+    kind: str
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int
+    in_channels: int = 3
+    temporal_patch_size: int = 1  # frames in one patch (Qwen repeats a still image to fill it)
+    merge_size: int = 1  # an LM token covers merge_size x merge_size patches
+    hidden_act: str = "quick_gelu"
+    norm: str = "layernorm"  # or "rmsnorm"
+    norm_eps: float = 1e-6
+    gated_mlp: bool = False  # down(act(gate(x)) * up(x)) instead of fc2(act(fc1(x)))
+    patch_bias: bool = False
+    rope_theta: float | None = 10000.0  # 2-D rotary inside the tower; None: learned positions only
+    rope_interleaved: bool = False  # rotary pairs (x0, x1), ... as in Kimi's original weights
+    window_size: int | None = None  # Qwen2.5-VL: window side in pixels for the blocks not in fullatt_blocks
+    fullatt_blocks: list[int] = field(default_factory=list)
+    pos_embed_shape: list[int] = field(default_factory=list)  # Kimi: learned [height, width] table
+    image_size: int = 0  # CLIP: the fixed square input size
+    feature_layers: list[int] = field(default_factory=lambda: [-1])  # CLIP: hidden states fed to the projector
+    select_strategy: str = "default"  # CLIP: "default" drops the class token, "full" keeps it
+    projector_act: str = "gelu"
+    projector_bias: bool = True
+    projector_norm_eps: float = 1e-5
+
+
+@dataclass
 class ModelConfig:
     family: str
     vocab_size: int
@@ -58,6 +97,9 @@ class ModelConfig:
     sliding_window: list[int | None] = field(default_factory=list)  # per layer; empty: none anywhere
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    vision: VisionConfig | None = None
+    image_token_id: int | None = None  # the placeholder token that image features replace
+    mrope_section: list[int] | None = None  # Qwen M-RoPE: rotary frequencies per (t, h, w) axis
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers

@@ -4,7 +4,8 @@ from torch import nn
 
 from unified.model.parallel_layers import ColumnLinear, RowLinear, megatron_config
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+               "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x)}
 
 
 def activation(name: str):

@@ -5,6 +5,11 @@ longrope) come from `transformers`' own RoPE initialisers, so a checkpoint's `ro
 exactly what they mean there. Two layouts: "half" rotates (x[:d/2], x[d/2:]) pairs (Llama, Qwen);
 "interleaved" rotates (x0, x1), (x2, x3), ... (DeepSeek MLA) and returns the halves concatenated,
 which is what HF does and is equivalent for attention since q and k are permuted alike.
+
+M-RoPE (Qwen2-VL): positions carry three axes (temporal, height, width), [3, B, S]; the rotary
+frequencies are cut into `mrope_section` runs and run i takes its angles from axis i % 3. Text tokens
+have equal positions on the three axes, where M-RoPE reduces to plain RoPE, so [B, S] positions work
+unchanged for such models.
 """
 from __future__ import annotations
 
@@ -31,25 +36,47 @@ def rope_frequencies(rope_parameters: dict, head_dim: int, max_position_embeddin
     return inv_freq.float(), float(scaling)
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x: [..., heads, D]; cos, sin: [..., D/2] (or fewer: partial rotary, the rest passes through)."""
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
+    rotated = x.shape[-1] if cos.shape[-1] * 2 == x.shape[-1] else cos.shape[-1] * 2
+    x_rot, x_pass = x[..., :rotated], x[..., rotated:]
+    if interleaved:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+    else:
+        x1, x2 = x_rot.chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, rope_parameters: dict, head_dim: int, max_position_embeddings: int, interleaved: bool = False):
+    def __init__(self, rope_parameters: dict, head_dim: int, max_position_embeddings: int, interleaved: bool = False,
+                 mrope_section: list[int] | None = None):
         super().__init__()
         inv_freq, self.attention_scaling = rope_frequencies(rope_parameters, head_dim, max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleaved = interleaved
+        assert mrope_section is None or sum(mrope_section) == inv_freq.numel(), "mrope_section must cover head_dim/2"
+        self.mrope_section = mrope_section
+
+    def batched(self, positions: torch.Tensor, batch: int) -> torch.Tensor:
+        """Positions as given to a model's forward -> [B, S], or [3, B, S] for M-RoPE axes. [S] is shared by
+        the batch; for an M-RoPE model, [3, S] with a batch of one is read as the three axes of that row."""
+        if positions.dim() == 1:
+            return positions.expand(batch, -1)
+        if self.mrope_section and positions.dim() == 2 and positions.shape[0] == 3 and batch == 1:
+            return positions.unsqueeze(1)
+        assert positions.dim() == 2 or (self.mrope_section and positions.dim() == 3), \
+            f"positions of shape {tuple(positions.shape)} do not fit this model's rope"
+        return positions
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, S] (or [3, B, S] under M-RoPE) -> cos, sin [B, S, D/2]."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [..., S, D/2]
+        if positions.dim() == 3:
+            freqs = torch.cat([run[i % 3] for i, run in enumerate(freqs.split(self.mrope_section, dim=-1))], dim=-1)
         return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: [B, S, heads, D]; cos, sin: [B, S, D/2]."""
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        rotated = x.shape[-1] if cos.shape[-1] * 2 == x.shape[-1] else cos.shape[-1] * 2
-        x_rot, x_pass = x[..., :rotated], x[..., rotated:]
-        if self.interleaved:
-            x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
-        else:
-            x1, x2 = x_rot.chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
+        return apply_rotary(x, cos, sin, self.interleaved)

@@ -1,6 +1,6 @@
 """The decoder-only language model used by every path: training, serving, rollouts, parity checks.
 
-forward(input_ids [B, S], positions [B, S] or [S]) -> final hidden states [B, S, H]; `logits()` maps
+forward(input_ids [B, S], positions [B, S] or [S]; M-RoPE models also [3, B, S]) -> final hidden states [B, S, H]; `logits()` maps
 hidden states to vocabulary scores. `inputs_embeds` lets a vision front end hand in token embeddings
 with image features already merged at the placeholder positions.
 """
@@ -89,7 +89,8 @@ class CausalLM(nn.Module):
         self.checkpoint_layers = False  # training: recompute each layer's activations in backward
         self.sequence_parallel = False  # training under tensor parallel: split the sequence between linears
         self.rope = RotaryEmbedding(config.rope_parameters, config.rope_head_dim, config.max_position_embeddings,
-                                    interleaved=bool(config.mla and config.mla.rope_interleave))
+                                    interleaved=bool(config.mla and config.mla.rope_interleave),
+                                    mrope_section=config.mrope_section)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None,
@@ -103,8 +104,7 @@ class CausalLM(nn.Module):
             x = torch.empty(shape, dtype=self.dtype, device=positions.device)
             with collective("pp_send_recv", x):
                 torch.distributed.recv(x, stage.prev)
-        if positions.dim() == 1:
-            positions = positions.expand(x.shape[0], -1)
+        positions = self.rope.batched(positions, x.shape[0])
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         split = self.sequence_parallel and torch.is_grad_enabled() and self.embed.tp_group.size() > 1
         if split:
