@@ -126,3 +126,20 @@ def run_cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
                                 timeout=timeout, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert not os.listdir(cwd), f"the run cluttered its working directory: {os.listdir(cwd)}"
     return result
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_checkpoint(tmp_path_factory):
+    """tiny_vl_checkpoint(family) -> folder of a tiny random vision-language model (tests/vision_fixtures.py)."""
+    from tests.vision_fixtures import build_tiny_vl_model
+
+    made: dict[str, Path] = {}
+
+    def make(family: str) -> Path:
+        if family not in made:
+            path = tmp_path_factory.mktemp(f"tiny-vl-{family}")
+            build_tiny_vl_model(family).save_pretrained(path)
+            made[family] = path
+        return made[family]
+
+    return make
