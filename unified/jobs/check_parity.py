@@ -1,5 +1,8 @@
 """`unified recipe=check_parity model=<dir>`: prints per-layer and final-logit cosine similarity between
-our model and `transformers` on the same checkpoint and exits non-zero below the thresholds."""
+our model and `transformers` on the same checkpoint and exits non-zero below the thresholds.
+
+A vision-language checkpoint is compared twice: on the text alone, and on the text with two drawn images
+of different sizes (prepared by the checkpoint's own image processor) in the middle of it."""
 from __future__ import annotations
 
 import torch
@@ -29,18 +32,64 @@ def run(cfg) -> None:
     ours = load_model(path, runtime.device, runtime.dtype)
     reference = reference_model(path, runtime.dtype).to(runtime.device)
     ids = _input_ids(path, cfg.prompt, cfg.check.num_tokens, ours.config.vocab_size).to(runtime.device)
-    report = compare(ours.model, reference, ids)
-    if torch.distributed.get_world_size() > 1:  # pipeline stages each hold some layers: merge their rows
-        reports = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(reports, report)
-        report.layer_cosine = dict(sorted({i: c for r in reports for i, c in r.layer_cosine.items()}.items()))
-    passed = report.passes(cfg.check.min_cosine, cfg.check.max_abs_diff)
+    if ours.config.vision is not None:  # random text must not hold image or video placeholders
+        for placeholder in (ours.config.image_token_id, getattr(ours.hf_config, "video_token_id", None)):
+            ids = ids.masked_fill(ids == placeholder, 0)
+    reports = {"text": _gathered(compare(ours.model, reference, ids))}
+    if ours.config.vision is not None:
+        images = _drawn_images(path)
+        with_images = _with_placeholders(ids, ours.config.image_token_id, images.num_tokens)
+        title = f"text + {len(images.num_tokens)} images ({sum(images.num_tokens)} image tokens)"
+        reports[title] = _gathered(compare(ours.model, reference, with_images.to(runtime.device), images))
+    passed = all(r.passes(cfg.check.min_cosine, cfg.check.max_abs_diff) for r in reports.values())
     if torch.distributed.get_rank() == 0:
         layout = current_layout()
-        print(f"parity of {path} ({ours.config.family}, {ids.shape[1]} tokens, {runtime.dtype}, [{layout}] on "
+        family = ours.config.family
+        if ours.config.vision is not None:
+            family = f"{ours.config.vision.kind}, {family} text"
+        print(f"parity of {path} ({family}, {ids.shape[1]} tokens, {runtime.dtype}, [{layout}] on "
               f"{torch.distributed.get_world_size()} ranks) against transformers:")
-        print(report.table())
+        for title, report in reports.items():
+            print(f"{title}:\n{report.table()}" if len(reports) > 1 else report.table())
         print(f"PASSED (cosine >= {cfg.check.min_cosine}, max |diff| <= {cfg.check.max_abs_diff})" if passed else
               f"FAILED: need cosine >= {cfg.check.min_cosine} everywhere and max |diff| <= {cfg.check.max_abs_diff}")
     if not passed:
         raise SystemExit(1)
+
+
+def _gathered(report):
+    if torch.distributed.get_world_size() > 1:  # pipeline stages each hold some layers: merge their rows
+        reports = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(reports, report)
+        report.layer_cosine = dict(sorted({i: c for r in reports for i, c in r.layer_cosine.items()}.items()))
+    return report
+
+
+def _drawn_images(path):
+    """Two synthetic pictures of different sizes and aspect ratios, through the checkpoint's image processor."""
+    from PIL import Image, ImageDraw
+
+    from unified.vision import processor_for
+
+    pictures = []
+    for width, height, seed in ((168, 112, 1), (84, 140, 2)):
+        picture = Image.linear_gradient("L").resize((width, height)).convert("RGB")
+        draw = ImageDraw.Draw(picture)
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(6):
+            x, y = (int(v) for v in torch.randint(0, min(width, height) - 20, (2,), generator=generator))
+            color = tuple(int(c) for c in torch.randint(0, 256, (3,), generator=generator))
+            draw.ellipse((x, y, x + 20 + x % 30, y + 20 + y % 25), fill=color)
+        pictures.append(picture)
+    return processor_for(path)(pictures)
+
+
+def _with_placeholders(ids: torch.Tensor, image_token_id: int, counts: list[int]) -> torch.Tensor:
+    """[1, S] text -> the text with each image's run of placeholder tokens after its first and second third."""
+    text = ids[0].cpu()
+    cuts = [len(text) * (i + 1) // (len(counts) + 1) for i in range(len(counts))]
+    pieces, start = [], 0
+    for cut, count in zip(cuts, counts):
+        pieces += [text[start:cut], torch.full((count,), image_token_id, dtype=text.dtype)]
+        start = cut
+    return torch.cat(pieces + [text[start:]]).unsqueeze(0)

@@ -1,7 +1,8 @@
 """Accuracy consistency check: our model against the `transformers` reference on the same weights.
 
-Both models read the same checkpoint folder and run the same tokens; we compare every decoder layer's
-output and the final logits by cosine similarity and max absolute difference.
+Both models read the same checkpoint folder and run the same tokens (and, for vision-language models,
+the same images); we compare every decoder layer's output and the final logits by cosine similarity and
+max absolute difference.
 """
 from __future__ import annotations
 
@@ -34,31 +35,56 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def reference_model(path: str | Path, dtype: torch.dtype = torch.float32):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager").eval()
+    from unified.checkpoint.hf_config import VISION_LANGUAGE
+
+    vision = AutoConfig.from_pretrained(str(path)).model_type in VISION_LANGUAGE
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    return auto.from_pretrained(str(path), dtype=dtype, attn_implementation="eager").eval()
 
 
 def _decoder_layers(hf_model):
-    return hf_model.model.layers
+    inner = hf_model.model
+    return inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
 
 
 @torch.inference_mode()
-def compare(ours, reference, input_ids: torch.Tensor) -> ParityReport:
-    """input_ids: [B, S] token ids; both models in eval mode on the same device."""
+def compare(ours, reference, input_ids: torch.Tensor, images=None) -> ParityReport:
+    """input_ids: [B, S] token ids; both models in eval mode on the same device. `images` (a vision-language
+    model's unified.vision.ImageInputs) fill the image placeholder tokens of a one-row input_ids."""
     captured: list[torch.Tensor] = []
     hooks = [layer.register_forward_hook(lambda _m, _i, out: captured.append(out[0] if isinstance(out, tuple) else out))
              for layer in _decoder_layers(reference)]
+    ref_inputs, positions, image_embeds = {}, torch.arange(input_ids.shape[1], device=input_ids.device), None
+    if images is not None:
+        ref_inputs, positions, image_embeds = _image_inputs(ours, input_ids, images)
     try:
-        ref_logits = reference(input_ids=input_ids).logits
+        ref_logits = reference(input_ids=input_ids, **ref_inputs).logits
     finally:
         for hook in hooks:
             hook.remove()
     ours_layers: dict[int, torch.Tensor] = {}  # under pipeline parallelism: this stage's layers only
-    positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-    our_logits = ours.logits(ours(input_ids, positions, layer_outputs=ours_layers))
+    extra = {} if image_embeds is None else {"image_embeds": image_embeds}
+    our_logits = ours.logits(ours(input_ids, positions, layer_outputs=ours_layers, **extra))
     return ParityReport(
         layer_cosine={i: cosine(out, captured[i]) for i, out in ours_layers.items()},
         logits_cosine=cosine(our_logits, ref_logits),
         logits_max_abs_diff=(our_logits.float() - ref_logits.float()).abs().max().item(),
     )
+
+
+def _image_inputs(ours, input_ids: torch.Tensor, images) -> tuple[dict, torch.Tensor, torch.Tensor | None]:
+    """(the reference's extra inputs, our positions, our image rows: on the stage that embeds tokens)."""
+    from unified.model.multimodal import mrope_positions
+
+    device = input_ids.device
+    pixels = images.pixel_values.to(device)
+    grid = None if images.image_grid_thw is None else images.image_grid_thw.to(device)
+    ref_inputs = {"pixel_values": pixels} | ({} if grid is None else {"image_grid_thw": grid})
+    positions = torch.arange(input_ids.shape[1], device=device)
+    if ours.config.mrope_section:  # Qwen-VL: the reference builds M-RoPE positions from the token types
+        ref_inputs["mm_token_type_ids"] = (input_ids == ours.config.image_token_id).int()
+        positions = mrope_positions(input_ids[0], grid, ours.config)[0]
+    image_embeds = ours.encode_images(pixels, grid) if ours.vision is not None else None
+    return ref_inputs, positions, image_embeds
