@@ -24,8 +24,8 @@ VL_FAMILIES = {
                        vision_config=dict(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48,
                                           num_heads=4, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
                                           window_size=16, fullatt_block_indexes=[1]), **_QWEN_TOKENS),
-    "kimi_k25": dict(text_config=dict(model_type="deepseek_v3", **{**_TEXT, "num_key_value_heads": 4}, n_routed_experts=4, n_shared_experts=1,
-                                      q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+    "kimi_k25": dict(text_config=dict(model_type="deepseek_v3", **{**_TEXT, "num_key_value_heads": 4},
+                                      n_routed_experts=4, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                       v_head_dim=12, first_k_dense_replace=1, n_group=1, topk_group=1,
                                       num_experts_per_tok=2, moe_intermediate_size=32),
                      vision_config=dict(patch_size=4, pos_emb_height=8, pos_emb_width=8, num_attention_heads=4,
@@ -56,7 +56,7 @@ def build_tiny_vl_model(family: str, seed: int = 0):
                 tensor.copy_(1 + 0.2 * torch.randn_like(tensor))
             elif name.endswith((".bias", "e_score_correction_bias")):
                 tensor.copy_(0.1 * torch.randn_like(tensor))
-            elif isinstance(tensor, torch.nn.Parameter) and ("vision" in name or "visual" in name or "projector" in name):
+            elif isinstance(tensor, torch.nn.Parameter) and any(k in name for k in ("vision", "visual", "projector")):
                 tensor.mul_(4.0)  # the 0.02 init leaves image rows too faint to check the tower through the logits
     return model
 

@@ -30,7 +30,8 @@ OTHER_LAYOUTS: dict[str, list[list[tuple[str, str]]]] = {
     "qwen2_vl": [[(r"^visual\.", "model.visual."), (r"^model\.", "model.language_model.")]],
     "clip": [[(r"^vision_tower\.", "vision_tower.vision_model.")],
              [(r"^language_model\.model\.", "model.language_model."), (r"^language_model\.lm_head", "lm_head"),
-              (r"^vision_tower\.", "model.vision_tower."), (r"^multi_modal_projector\.", "model.multi_modal_projector.")]],
+              (r"^vision_tower\.", "model.vision_tower."),
+              (r"^multi_modal_projector\.", "model.multi_modal_projector.")]],
     "kimi_k25": [[(r"^language_model\.model\.blocks\.", "language_model.model.layers."),
                   (r"^vision_tower\.encoder\.patch_embed\.", "vision_tower.patch_embed."),
                   (r"^model\.mm_projector\.", "mm_projector.")]],
@@ -74,7 +75,8 @@ def vision_params(cfg: ModelConfig, param_type) -> list:
         out.append(P("vision.patch_embed", (("visual.patch_embed.proj.weight",),)))
         for i in range(v.depth):
             ours, hf = f"vision.blocks.{i}.", f"visual.blocks.{i}."
-            out += _linear(P, f"{ours}norm1", f"{hf}norm1", layernorm) + _linear(P, f"{ours}norm2", f"{hf}norm2", layernorm)
+            out += _linear(P, f"{ours}norm1", f"{hf}norm1", layernorm)
+            out += _linear(P, f"{ours}norm2", f"{hf}norm2", layernorm)
             out += _linear(P, f"{ours}attn.qkv", f"{hf}attn.qkv") + _linear(P, f"{ours}attn.proj", f"{hf}attn.proj")
             if v.gated_mlp:
                 out += _fused(P, f"{ours}mlp.fc1", (f"{hf}mlp.gate_proj", f"{hf}mlp.up_proj"))
@@ -82,7 +84,8 @@ def vision_params(cfg: ModelConfig, param_type) -> list:
             else:
                 out += _linear(P, f"{ours}mlp.fc1", f"{hf}mlp.fc1") + _linear(P, f"{ours}mlp.fc2", f"{hf}mlp.fc2")
         out += _linear(P, "vision.merger.norm", "visual.merger.ln_q", layernorm)
-        out += _linear(P, "vision.merger.fc1", "visual.merger.mlp.0") + _linear(P, "vision.merger.fc2", "visual.merger.mlp.2")
+        out += _linear(P, "vision.merger.fc1", "visual.merger.mlp.0")
+        out += _linear(P, "vision.merger.fc2", "visual.merger.mlp.2")
     elif v.kind == "kimi_k25":
         hf = "vision_tower.encoder."
         out += _linear(P, "vision.patch_embed", f"{hf}patch_embed.proj")
@@ -94,13 +97,15 @@ def vision_params(cfg: ModelConfig, param_type) -> list:
             out += _linear(P, f"{ours}mlp.fc1", f"{block}mlp.fc0") + _linear(P, f"{ours}mlp.fc2", f"{block}mlp.fc1")
         out += _linear(P, "vision.final_norm", f"{hf}final_layernorm")
         out += _linear(P, "vision.projector.norm", "model.mm_projector.pre_norm")
-        out += _linear(P, "vision.projector.fc1", "mm_projector.proj.0") + _linear(P, "vision.projector.fc2", "mm_projector.proj.2")
+        out += _linear(P, "vision.projector.fc1", "mm_projector.proj.0")
+        out += _linear(P, "vision.projector.fc2", "mm_projector.proj.2")
     else:
         hf = "vision_tower."
         out += [P("vision.patch_embed", ((f"{hf}embeddings.patch_embedding.weight",),)),
                 P("vision.class_embedding", ((f"{hf}embeddings.class_embedding",),)),
                 P("vision.position_embedding", ((f"{hf}embeddings.position_embedding.weight",),))]
-        out += _linear(P, "vision.pre_norm", f"{hf}pre_layrnorm") + _linear(P, "vision.post_norm", f"{hf}post_layernorm")
+        out += _linear(P, "vision.pre_norm", f"{hf}pre_layrnorm")
+        out += _linear(P, "vision.post_norm", f"{hf}post_layernorm")
         for i in range(v.depth):
             ours, layer = f"vision.blocks.{i}.", f"{hf}encoder.layers.{i}."
             out += _linear(P, f"{ours}norm1", f"{layer}layer_norm1") + _linear(P, f"{ours}norm2", f"{layer}layer_norm2")

@@ -18,6 +18,8 @@ from unified.model.mlp import activation
 from unified.model.norm import RMSNorm
 from unified.model.rope import apply_rotary
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, head_dim/2] in fp32
+
 
 class Segments:
     """Which patches of a packed sequence attend together: `ids[p]` names patch p's segment."""
@@ -61,7 +63,7 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim, dtype=dtype)
         self.rope_interleaved = rope_interleaved
 
-    def forward(self, x: torch.Tensor, segments: Segments, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: Segments, rope: Rope | None) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.heads, self.head_dim).unbind(1)  # [N, heads, d] each
         if rope is not None:  # rotate in fp32, as the reference towers do
@@ -96,7 +98,7 @@ class VisionBlock(nn.Module):
         self.norm2 = make_norm(config.norm, config.hidden_size, config.norm_eps, dtype)
         self.mlp = VisionMLP(config.hidden_size, config.intermediate_size, config.hidden_act, config.gated_mlp, dtype)
 
-    def forward(self, x: torch.Tensor, segments: Segments, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segments: Segments, rope: Rope | None) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), segments, rope)
         return x + self.mlp(self.norm2(x))
 

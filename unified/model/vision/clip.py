@@ -23,7 +23,8 @@ class ClipVisionTower(nn.Module):
         super().__init__()
         self.config = c = config
         self.side = c.image_size // c.patch_size
-        self.patch_embed = nn.Parameter(torch.empty(c.hidden_size, c.in_channels, c.patch_size, c.patch_size, dtype=dtype))
+        self.patch_embed = nn.Parameter(torch.empty(c.hidden_size, c.in_channels, c.patch_size, c.patch_size,
+                                                    dtype=dtype))
         self.class_embedding = nn.Parameter(torch.empty(c.hidden_size, dtype=dtype))
         self.position_embedding = nn.Parameter(torch.empty(self.side ** 2 + 1, c.hidden_size, dtype=dtype))
         self.pre_norm = make_norm(c.norm, c.hidden_size, c.norm_eps, dtype)

@@ -52,8 +52,7 @@ class QwenVisionTower(nn.Module):
         for t, h, w in grid_thw.tolist():
             # Patch order (t, h/m, w/m, m, m): recover each patch's block and offset within the block.
             t_i, bh, bw, ih, iw = (g.flatten() for g in torch.meshgrid(
-                torch.arange(t, device=device), torch.arange(h // m, device=device), torch.arange(w // m, device=device),
-                torch.arange(m, device=device), torch.arange(m, device=device), indexing="ij"))
+                *(torch.arange(n, device=device) for n in (t, h // m, w // m, m, m)), indexing="ij"))
             rows.append(bh * m + ih)
             cols.append(bw * m + iw)
             frames.append(frame_base + t_i)
