@@ -41,6 +41,7 @@ class EngineConfig:
     max_model_len: Optional[int] = None  # None: the model's context length
     packed_weights: bool = True  # CPU: keep MKL-packed weight copies (faster batched matmuls, more memory)
     lora_adapter: Optional[str] = None  # a LoRA adapter folder (ours or peft's) served unmerged on the base model
+    image_cache_bytes: int = 256 * 2 ** 20  # vision-tower outputs kept by image content hash (LRU)
 
 
 @dataclass

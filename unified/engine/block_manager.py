@@ -65,7 +65,8 @@ class BlockManager:
     def _chain_hashes(self, seq: Sequence, num_full_blocks: int) -> list[bytes]:
         hashes, parent, size = [], b"", self.block_size
         for i in range(num_full_blocks):
-            parent = block_hash(parent, seq.token_ids[i * size:(i + 1) * size])
+            span = (i * size, (i + 1) * size)
+            parent = block_hash(parent, seq.token_ids[span[0]:span[1]], seq.block_extra(*span))
             hashes.append(parent)
         return hashes
 
@@ -115,7 +116,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             if block.hash is None:
                 block.token_ids = seq.token_ids[i * size:(i + 1) * size]
-                block.hash = block_hash(parent, block.token_ids)
+                block.hash = block_hash(parent, block.token_ids, seq.block_extra(i * size, (i + 1) * size))
                 self.cached.setdefault(block.hash, block.block_id)
             parent = block.hash
             seq.num_hashed_blocks = i + 1

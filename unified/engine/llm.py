@@ -9,7 +9,7 @@ from unified.checkpoint import load_model
 from unified.checkpoint.builtin import resolve_model
 from unified.config.schema import DeviceConfig, EngineConfig, ParallelConfig
 from unified.engine.llm_engine import LLMEngine, RequestOutput
-from unified.engine.sampling_params import SamplingParams
+from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.runtime import start_runtime
 
 
@@ -38,15 +38,52 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
 
         load_adapter(loaded.model, engine.lora_adapter)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    processor = None
+    if loaded.config.vision is not None:
+        from unified.vision import processor_for
+
+        processor = processor_for(path)
     return LLMEngine(loaded.model, tokenizer, engine, runtime.device, runtime.dtype, runtime.accelerator,
-                     _eos_ids(tokenizer, path))
+                     _eos_ids(tokenizer, path), processor)
 
 
-def chat_prompt(tokenizer, messages: list[dict]) -> list[int]:
+def chat_prompt(tokenizer, messages: list[dict], image_marker: str | None = None) -> list[int]:
+    """Token ids of a conversation under the model's chat template. A message's `content` may be a string
+    or a list of parts: {"type": "text", "text": ...} and {"type": "image", ...} (whatever carries the
+    image), each image written as `image_marker`, the model's text for one image."""
+    messages = [{**m, "content": flatten_content(m["content"], image_marker)} for m in messages]
     if not tokenizer.chat_template:
         return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def flatten_content(content: str | list[dict], image_marker: str | None) -> str:
+    if isinstance(content, str):
+        return content
+    text = []
+    for part in content:
+        if part.get("type") == "text":
+            text.append(part["text"])
+        elif image_marker is None:
+            raise InvalidRequest("this model takes no image input; send text parts only")
+        else:
+            text.append(image_marker)
+    return "".join(text)
+
+
+def content_images(messages: list[dict]) -> list:
+    """The images of a conversation's content parts, in order: `image` (a path, bytes, data URL or PIL
+    image) or OpenAI's `image_url` ({"url": ...} or the URL itself)."""
+    images = []
+    for message in messages:
+        for part in message["content"] if isinstance(message["content"], list) else ():
+            if part.get("type") == "image":
+                images.append(part["image"])
+            elif part.get("type") == "image_url":
+                url = part["image_url"]
+                images.append(url["url"] if isinstance(url, dict) else url)
+    return images
 
 
 class LLM:
@@ -77,20 +114,25 @@ class LLM:
     def _use(self, engine: LLMEngine) -> None:
         self.engine, self.tokenizer = engine, engine.tokenizer
 
-    def generate(self, prompts: str | list[str] | list[list[int]], sampling_params: SamplingParams | list | None = None,
+    def generate(self, prompts: str | dict | list, sampling_params: SamplingParams | list | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (str, token-id lists, or a list of either)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Outputs in the order of `prompts`: a str, a token-id list, {"prompt": str or ids, "images": [...]}
+        (the prompt holds the model's image marker once per image), or a list of these."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        ids = [self.engine.add_request(p["prompt"], sp, images=p.get("images")) if isinstance(p, dict)
+               else self.engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         return self._run(ids, use_tqdm)
 
     def chat(self, conversations: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
+        """Messages' content may hold image parts (see `chat_prompt`)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([chat_prompt(self.tokenizer, c) for c in conversations], sampling_params, use_tqdm)
+        marker = self.engine.image_processor.prompt_marker if self.engine.image_processor else None
+        return self.generate([{"prompt": chat_prompt(self.tokenizer, c, marker), "images": content_images(c)}
+                              for c in conversations], sampling_params, use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm import tqdm

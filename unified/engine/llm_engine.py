@@ -19,6 +19,7 @@ from megatron.core import parallel_state
 from unified.engine.block_manager import BlockManager
 from unified.engine.kv_cache import CacheShape, KVCache, kv_bits_of
 from unified.engine.model_runner import ModelRunner
+from unified.engine.multimodal import MultimodalPrompt, multimodal_prompt
 from unified.engine.sampler import TokenLogprob, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.scheduler import Scheduler
@@ -72,14 +73,15 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, model, tokenizer, engine_cfg, device: torch.device, dtype: torch.dtype, accelerator,
-                 eos_token_ids: set[int] | None = None):
+                 eos_token_ids: set[int] | None = None, image_processor=None):
         self.model, self.tokenizer, self.cfg = model, tokenizer, engine_cfg
+        self.image_processor = image_processor  # vision-language models: turns request images into pixels
         self.config = model.config
         self.device, self.dtype = device, dtype
         self.eos_token_ids = set(eos_token_ids or ())
         if engine_cfg.packed_weights:
             model.pack_weights(engine_cfg.max_num_seqs)
-        self.runner = ModelRunner(model, device)
+        self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes)
         self.is_driver = torch.distributed.get_rank() == 0
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         num_blocks = self._cache_blocks(accelerator)
@@ -216,6 +218,7 @@ class LLMEngine:
         if self.cfg.packed_weights:
             self.model.pack_weights(self.cfg.max_num_seqs)
         self.blocks.reset_prefix_cache()
+        self.runner.encoder_cache.clear()  # the vision tower may have changed too
         for request in self.requests.values():
             for seq in request.seqs:
                 seq.publishes_blocks = not seq.block_table
@@ -229,19 +232,24 @@ class LLMEngine:
     # Requests ---------------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, images: list | None = None) -> str:
+        """`images` (file paths, bytes, data URLs or PIL images) go with a prompt that holds the model's
+        image placeholder token once per image, where each image belongs."""
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty; send at least one token")
+        multimodal = None
+        if images:
+            ids, multimodal = self._with_images(ids, images)
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len}; "
                                  f"shorten the prompt")
         if not self.cfg.chunked_prefill and len(ids) > self.cfg.max_num_batched_tokens:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens, more than engine.max_num_batched_tokens="
                                  f"{self.cfg.max_num_batched_tokens} with chunked prefill off")
-        if any(not 0 <= t < self.config.vocab_size for t in ids):
+        if any(not 0 <= t < self.config.vocab_size for t in ids if multimodal is None or t != self.config.image_token_id):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.config.vocab_size})")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
@@ -249,11 +257,19 @@ class LLMEngine:
         base_seed = params.seed if params.seed is not None else random.getrandbits(63)
         request = _Request(request_id, ids, params)
         for i in range(params.n):
-            seq = Sequence(request_id, i, ids, params, seed=base_seed + i)
+            seq = Sequence(request_id, i, ids, params, seed=base_seed + i, multimodal=multimodal)
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
         return request_id
+
+    def _with_images(self, ids: list[int], images: list) -> tuple[list[int], MultimodalPrompt]:
+        if self.config.vision is None or self.image_processor is None:
+            raise InvalidRequest("this model takes no image input; send text only, or serve a vision-language model")
+        try:
+            return multimodal_prompt(ids, images, self.image_processor, self.config)
+        except UserError as err:
+            raise InvalidRequest(str(err)) from err
 
     def abort(self, request_id: str) -> None:
         request = self.requests.pop(request_id, None)

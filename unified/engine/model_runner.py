@@ -8,34 +8,53 @@ Across ranks (tensor, pipeline, expert parallel) one scheduler drives: the drive
 prepares each step's inputs and broadcasts them; every other rank `follow()`s, running the same
 forward (its shard of it) until the driver says stop. Only the driver's logits are used. Between steps
 the driver may broadcast a command instead of a step (a weight update), which every follower obeys.
+
+Image requests (see unified/engine/multimodal.py): the driver encodes the step's uncached images in one
+batched call of the vision tower and sends every rank the embedding rows of the placeholder tokens the
+step computes, in token order; M-RoPE models get [3, 1, T] positions.
 """
 from __future__ import annotations
 
 import torch
 
 from unified.engine.kv_cache import KVCache, PagedAttentionContext, StepMetadata
+from unified.engine.multimodal import EncoderCache
 from unified.engine.scheduler import ScheduledSeq
 from unified.model.forward_context import forward_context
 
 
 class ModelRunner:
-    def __init__(self, model, device: torch.device):
+    def __init__(self, model, device: torch.device, encoder_cache_bytes: int = 0):
         self.model = model
         self.device = device
         self.cache: KVCache | None = None
+        self.encoder_cache = EncoderCache(encoder_cache_bytes)
+        self.mrope = getattr(model.config, "mrope_section", None) is not None
 
-    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, StepMetadata, list[int]]:
+    def prepare(self, batch: list[ScheduledSeq]) -> tuple:
         block_size = self.cache.block_size
         tokens: list[int] = []
-        positions: list[int] = []
+        positions: list = []
         slots: list[int] = []
         query_start, context_lens, sample_rows = [0], [], []
+        image_rows: list[tuple] = []  # (span, first row, end row) in token order
+        image_tokens: list[int] = []  # indexes in the step's tokens that take image rows
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             table = seq.block_table
             tokens += seq.token_ids[start:end]
-            positions += range(start, end)
+            mm = seq.multimodal
+            if self.mrope:
+                positions.append(mm.positions(start, end, seq.num_prompt_tokens) if mm
+                                 else torch.arange(start, end).expand(3, -1))
+            else:
+                positions += range(start, end)
+            if mm:
+                for span in mm.overlapping(start, end):
+                    lo, hi = max(start, span.offset), min(end, span.end)
+                    image_rows.append((span, lo - span.offset, hi - span.offset))
+                    image_tokens += range(len(tokens) - (end - lo), len(tokens) - (end - hi))
             slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             query_start.append(query_start[-1] + item.num_new_tokens)
             context_lens.append(end)
@@ -47,8 +66,25 @@ class ModelRunner:
         meta = StepMetadata(torch.tensor(slots, dtype=torch.long, device=self.device), tables.to(self.device),
                             query_start, context_lens)
         ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-        pos = torch.tensor([positions], dtype=torch.long, device=self.device)
-        return ids, pos, meta, sample_rows
+        if self.mrope:
+            pos = torch.cat(positions, dim=1).unsqueeze(1).to(self.device)  # [3, 1, T]
+        else:
+            pos = torch.tensor([positions], dtype=torch.long, device=self.device)
+        images = None
+        if image_rows:
+            mask = torch.zeros_like(ids, dtype=torch.bool)
+            mask[0, image_tokens] = True
+            images = (self._image_embeds(image_rows), mask)
+        return ids, pos, meta, sample_rows, images
+
+    @torch.inference_mode()
+    def _image_embeds(self, image_rows: list[tuple]) -> torch.Tensor:
+        def encode(pixel_values, grid_thw):
+            return self.model.encode_images(pixel_values.to(self.device, self.model.dtype),
+                                            None if grid_thw is None else grid_thw.to(self.device))
+
+        found = self.encoder_cache.embeddings(encode, [span for span, _, _ in image_rows])
+        return torch.cat([found[span.hash][lo:hi] for span, lo, hi in image_rows])
 
     @property
     def distributed(self) -> bool:
@@ -83,9 +119,11 @@ class ModelRunner:
             torch.distributed.broadcast_object_list([None], src=0)
 
     @torch.inference_mode()
-    def _run(self, ids, positions, meta: StepMetadata, sample_rows: list[int]) -> torch.Tensor:
+    def _run(self, ids, positions, meta: StepMetadata, sample_rows: list[int],
+             images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        images = {} if images is None else {"image_embeds": images[0].to(self.device), "image_mask": images[1]}
         with forward_context(PagedAttentionContext(self.cache, meta)):
-            hidden = self.model(ids, positions)  # [1, T, H]
+            hidden = self.model(ids, positions, **images)  # [1, T, H]
         if not sample_rows:
             return hidden.new_empty(0, 0)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

@@ -5,6 +5,7 @@ import enum
 
 import torch
 
+from unified.engine.multimodal import MultimodalPrompt
 from unified.engine.sampling_params import SamplingParams
 
 
@@ -16,7 +17,7 @@ class Status(enum.Enum):
 
 class Sequence:
     def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
-                 seed: int):
+                 seed: int, multimodal: MultimodalPrompt | None = None):
         self.request_id = request_id
         self.index = index  # which of the request's n samples
         self.token_ids = list(prompt_token_ids)
@@ -32,6 +33,11 @@ class Sequence:
         self.logprobs: list = []  # sampler.TokenLogprob per output token, when asked for
         self.generator = torch.Generator().manual_seed(seed)
         self.output_counts: dict[int, int] = {}
+        self.multimodal = multimodal  # the prompt's images, if any
+
+    def block_extra(self, start: int, end: int) -> bytes:
+        """Content besides token ids that tokens [start, end) depend on (for prefix-cache hashes)."""
+        return self.multimodal.block_extra(start, end) if self.multimodal else b""
 
     @property
     def num_tokens(self) -> int:

@@ -48,16 +48,18 @@ class VisionLanguageModel(CausalLM):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None,
                 layer_outputs: dict[int, torch.Tensor] | None = None,
-                image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         """As CausalLM.forward; `image_embeds` rows replace, in order, the embeddings of the tokens equal to
-        config.image_token_id."""
+        config.image_token_id, or of the tokens `image_mask` [B, S] marks (an engine step passes it, so a
+        placeholder id that a text prompt holds or a sequence sampled keeps its token embedding)."""
         if image_embeds is not None and self.stage.first:
-            inputs_embeds = self.merge_image_embeds(input_ids, image_embeds, inputs_embeds)
+            inputs_embeds = self.merge_image_embeds(input_ids, image_embeds, inputs_embeds, image_mask)
         return super().forward(input_ids, positions, inputs_embeds, layer_outputs)
 
     def merge_image_embeds(self, input_ids: torch.Tensor, image_embeds: torch.Tensor,
-                           inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        placeholders = input_ids == self.config.image_token_id  # [B, S]
+                           inputs_embeds: torch.Tensor | None = None,
+                           image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        placeholders = input_ids == self.config.image_token_id if image_mask is None else image_mask  # [B, S]
         found = int(placeholders.sum())
         if found != image_embeds.shape[0]:
             raise UserError(f"the prompt holds {found} image placeholder tokens (id {self.config.image_token_id}) "
