@@ -47,6 +47,12 @@ def test_split_model_matches_transformers(tiny_checkpoint, launcher, layout, fam
     assert "layer 2 " in result.stdout  # every stage's layers are in the report
 
 
+def test_vision_language_model_under_tensor_parallel(tiny_vl_checkpoint):
+    # The LM splits by heads, the tower is replicated; image+text logits still match transformers (so TP=1).
+    result = launch("deepspeed", "recipe=check_parity", f"model={tiny_vl_checkpoint('qwen2_5_vl')}", "parallel=tp2")
+    assert result.stdout.count("PASSED") == 1 and "images (" in result.stdout, result.stdout[-3000:]
+
+
 def build_tiny_mqa_checkpoint(path: Path, tokenizer_from: Path, seed: int = 0) -> Path:
     """One KV head, so tensor parallel 2 replicates it; the built-in tokenizer, so batch inference runs."""
     import torch
