@@ -21,6 +21,7 @@ JOBS = {
     "serve": "unified.jobs.serve",
     "train": "unified.jobs.train",
     "online": "unified.jobs.online",
+    "vision_demo": "unified.jobs.vision_demo",
 }
 
 

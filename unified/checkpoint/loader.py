@@ -22,9 +22,10 @@ from unified.model.multimodal import VisionLanguageModel
 from unified.model.transformer import CausalLM
 from unified.runtime import check_layout, current_layout
 
-# Files that travel with the weights: tokenizer, chat template, generation defaults.
+# Files that travel with the weights: tokenizer, chat template, generation defaults, image processor.
 SIDECAR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                 "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja")
+                 "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
+                 "preprocessor_config.json", "processor_config.json")
 
 
 @dataclass

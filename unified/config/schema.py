@@ -109,6 +109,26 @@ class TrainConfig:
     wandb: str = "offline"  # offline | online | disabled
     wandb_project: str = "unified"
     lora: LoraConfig = field(default_factory=LoraConfig)
+    trainable: str = "all"  # all | vision (tower + projector) | projector: the language model frozen in both
+
+
+@dataclass
+class ClipTowerConfig:
+    """A fresh CLIP vision tower and LLaVA projector, composed with a text checkpoint into a LLaVA model."""
+    image_size: int = 32
+    patch_size: int = 16  # (image_size / patch_size)^2 image tokens per image
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+
+
+@dataclass
+class VisionDemoConfig:
+    tower: ClipTowerConfig = field(default_factory=ClipTowerConfig)
+    heldout_per_class: int = 30  # lfw faces and non-faces kept out of training, for the evaluation
+    tower_steps: int = 24  # phase 1: tower and projector train, the language model frozen
+    projector_steps: int = 8  # phase 2: the projector alone
 
 
 @dataclass
@@ -139,6 +159,7 @@ class RunConfig:
     check: ParityCheckConfig = field(default_factory=ParityCheckConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
+    vision_demo: VisionDemoConfig = field(default_factory=VisionDemoConfig)
 
 
 def register_schemas() -> None:

@@ -57,11 +57,12 @@ def latest_tag(directory: Path) -> str | None:
     return tag
 
 
-def save(engine, directory: Path, step: int, accelerator, keep: int, lora: bool) -> None:
+def save(engine, directory: Path, step: int, accelerator, keep: int, partial: bool) -> None:
+    """`partial`: some weights are frozen (LoRA, train.trainable); only the trained ones are saved."""
     rank = torch.distributed.get_rank()
     tag = _tag(step)
     engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step}, save_latest=False,
-                           exclude_frozen_parameters=lora)
+                           exclude_frozen_parameters=partial)
     torch.save(_rng_state(accelerator), directory / tag / f"rng_rank{rank:05d}.pt")
     torch.distributed.barrier()
     if rank == 0:
@@ -72,12 +73,12 @@ def save(engine, directory: Path, step: int, accelerator, keep: int, lora: bool)
     torch.distributed.barrier()
 
 
-def resume(engine, directory: Path, accelerator, lora: bool) -> int:
+def resume(engine, directory: Path, accelerator, partial: bool) -> int:
     """Loads the newest complete checkpoint into `engine`; returns the step to continue from (0: none)."""
     tag = latest_tag(directory) if directory.is_dir() else None
     if tag is None:
         return 0
-    path, client = engine.load_checkpoint(str(directory), tag=tag, load_module_strict=not lora)
+    path, client = engine.load_checkpoint(str(directory), tag=tag, load_module_strict=not partial)
     if path is None:
         raise UserError(f"DeepSpeed could not load checkpoint {directory / tag}; it may come from another "
                         f"model or parallel layout. Move it away to start over.")

@@ -4,6 +4,11 @@ Each line is `{"messages": [{"role", "content"}, ...]}` (rendered with the model
 the assistant turns only, including the tokens that end each turn) or `{"prompt", "completion"}` (raw
 text; loss on the completion and the end-of-sequence token). A line that is not valid JSON or has the
 wrong shape is reported with its line number and skipped; the rest still train.
+
+For a vision-language model a message's content may be a list of parts, as `LLM.chat` takes them:
+`{"type": "text", "text": ...}` and `{"type": "image", "image": <path relative to the data file, or a
+data URL>}`. Images are preprocessed once, at load, by the checkpoint's processor; each image's placeholder
+is expanded to the tokens its encoder rows fill (no loss on them), and the example keeps its pixels.
 """
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from unified.errors import UserError
 
@@ -22,6 +29,8 @@ IGNORE = -100  # label of a token that does not count in the loss
 class Example:
     input_ids: list[int]
     labels: list[int]  # same length; IGNORE where no loss
+    pixel_values: torch.Tensor | None = None  # this example's images, in order, as the model's processor gives them
+    image_grid_thw: torch.Tensor | None = None  # [images, 3], for the towers that need it
 
     @property
     def num_targets(self) -> int:
@@ -30,6 +39,21 @@ class Example:
 
 class BadLine(ValueError):
     pass
+
+
+@dataclass
+class ImageSupport:
+    """What image parts need: the checkpoint's processor, its placeholder id, where relative paths start."""
+    processor: object  # unified.vision.ImageProcessor
+    image_token_id: int
+    base: Path
+
+    def load(self, source):
+        from unified.vision import load_image
+
+        if isinstance(source, str) and not source.startswith("data:") and not Path(source).is_absolute():
+            source = self.base / source
+        return load_image(source)
 
 
 def _template_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
@@ -41,18 +65,28 @@ def check_messages(messages) -> None:
     if not isinstance(messages, list) or not messages:
         raise BadLine('"messages" must be a non-empty list')
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise BadLine(f'message {i} must be an object with string "role" and "content"')
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
+            raise BadLine(f'message {i} must be an object with string "role" and "content" (a string or a list '
+                          f'of content parts)')
     if not any(m["role"] == "assistant" for m in messages):
         raise BadLine("the conversation has no assistant message to learn from")
 
 
-def chat_example(tokenizer, messages: list[dict]) -> Example:
+def chat_example(tokenizer, messages: list[dict], images: ImageSupport | None = None) -> Example:
     """Labels the tokens each assistant turn adds to the rendered conversation; relies on the template
     rendering a prefix of the conversation as a prefix of the whole (true of chat templates in use)."""
+    from unified.engine.llm import content_images, flatten_content
+    from unified.engine.sampling_params import InvalidRequest
+
     if not tokenizer.chat_template:
         raise UserError("this model's tokenizer has no chat template; use prompt/completion lines instead")
     check_messages(messages)
+    marker = images.processor.prompt_marker if images else None
+    try:
+        sources = content_images(messages)
+        messages = [{**m, "content": flatten_content(m["content"], marker)} for m in messages]
+    except InvalidRequest as err:
+        raise BadLine(str(err)) from None
     ids = _template_ids(tokenizer, messages, generation_prompt=False)
     labels = [IGNORE] * len(ids)
     for turn, message in enumerate(messages):
@@ -65,7 +99,22 @@ def chat_example(tokenizer, messages: list[dict]) -> Example:
             raise UserError("the chat template does not render a conversation's prefix as its prefix, so assistant "
                             "tokens cannot be located; use prompt/completion lines for this model")
         labels[start:end] = ids[start:end]
-    return Example(ids, labels)
+    return with_images(Example(ids, labels), sources, images) if sources else Example(ids, labels)
+
+
+def with_images(example: Example, sources: list, images: ImageSupport) -> Example:
+    """`example` with each image placeholder expanded to its image's tokens (no loss on them) and the pixels."""
+    from unified.vision import ImageError, expand_image_placeholders
+
+    try:
+        inputs = images.processor([images.load(source) for source in sources])
+        ids = expand_image_placeholders(example.input_ids, images.image_token_id, inputs.num_tokens)
+    except ImageError as err:
+        raise BadLine(str(err)) from None
+    counts, labels = iter(inputs.num_tokens), []
+    for token, label in zip(example.input_ids, example.labels):
+        labels += [IGNORE] * next(counts) if token == images.image_token_id else [label]
+    return Example(ids, labels, inputs.pixel_values, inputs.image_grid_thw)
 
 
 def completion_example(tokenizer, prompt: str, completion: str) -> Example:
@@ -78,18 +127,27 @@ def completion_example(tokenizer, prompt: str, completion: str) -> Example:
     return Example(prompt_ids + completion_ids, [IGNORE] * len(prompt_ids) + completion_ids)
 
 
-def parse_record(tokenizer, record) -> Example:
+def parse_record(tokenizer, record, images: ImageSupport | None = None) -> Example:
     if not isinstance(record, dict):
         raise BadLine("each line must be a JSON object")
     if "messages" in record:
-        return chat_example(tokenizer, record["messages"])
+        return chat_example(tokenizer, record["messages"], images)
     if "prompt" in record and "completion" in record:
         return completion_example(tokenizer, record["prompt"], record["completion"])
     raise BadLine('a line needs "messages" (chat) or "prompt" and "completion"')
 
 
-def load_examples(path: str | Path, tokenizer, max_len: int) -> list[Example]:
-    """Every usable line of `path`, truncated to `max_len` tokens; reports skipped and truncated lines."""
+def _truncated(example: Example, max_len: int, images: ImageSupport | None) -> Example:
+    ids = example.input_ids[:max_len]
+    if example.pixel_values is not None and ids.count(images.image_token_id) != example.input_ids.count(
+            images.image_token_id):
+        raise BadLine(f"an image's tokens do not fit within train.seq_len={max_len}; raise it or shorten the line")
+    return Example(ids, example.labels[:max_len], example.pixel_values, example.image_grid_thw)
+
+
+def load_examples(path: str | Path, tokenizer, max_len: int, images: ImageSupport | None = None) -> list[Example]:
+    """Every usable line of `path`, truncated to `max_len` tokens; reports skipped and truncated lines.
+    `images`: how to read image parts (vision-language models; relative paths start at `path`'s folder)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"data={path} is not a file; give a JSONL file of chat messages or prompt/completion pairs")
@@ -99,14 +157,14 @@ def load_examples(path: str | Path, tokenizer, max_len: int) -> list[Example]:
             if not line.strip():
                 continue
             try:
-                example = parse_record(tokenizer, json.loads(line))
+                example = parse_record(tokenizer, json.loads(line), images)
+                if len(example.input_ids) > max_len:
+                    example = _truncated(example, max_len, images)
+                    truncated += 1
             except (json.JSONDecodeError, BadLine) as err:
                 log.warning("%s:%d skipped: %s", path, lineno, err)
                 skipped += 1
                 continue
-            if len(example.input_ids) > max_len:
-                example = Example(example.input_ids[:max_len], example.labels[:max_len])
-                truncated += 1
             if example.num_targets == 0:
                 log.warning("%s:%d skipped: no target tokens left within train.seq_len=%d", path, lineno, max_len)
                 skipped += 1

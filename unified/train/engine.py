@@ -28,12 +28,18 @@ class TrainingModel(nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, targets: torch.Tensor,
-                segments: torch.Tensor) -> torch.Tensor:
-        """Sum of the cross-entropy of every target token in the micro-batch."""
+                segments: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                image_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
+        """Sum of the cross-entropy of every target token in the micro-batch. Images (vision-language models)
+        are encoded here, so the tower and projector get gradients when they train; with the language model
+        frozen, backward still runs through it to reach them."""
         from megatron.core import parallel_state
 
+        images = {}
+        if pixel_values is not None:
+            images["image_embeds"] = self.model.encode_images(pixel_values, image_grid_thw)  # [image tokens, H]
         with forward_context(PackedAttention(segments)):
-            hidden = self.model(input_ids, positions)  # [B, L, H]
+            hidden = self.model(input_ids, positions, **images)  # [B, L, H]
         keep = targets != IGNORE
         hidden, targets = hidden[keep], targets[keep]  # [N, H], [N]: the head runs on target positions only
         logits = self.model.vocab_parallel_logits(hidden).float()  # [N, V / tp]
@@ -71,6 +77,7 @@ def lr_factor(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 WANDB_MODES = ("offline", "online", "disabled")
+TRAINABLE = ("all", "vision", "projector")
 
 
 def check_train_config(cfg: TrainConfig) -> None:
@@ -85,6 +92,11 @@ def check_train_config(cfg: TrainConfig) -> None:
         raise UserError("train.offload_optimizer needs train.zero_stage 1, 2 or 3")
     if cfg.wandb not in WANDB_MODES:
         raise UserError(f"train.wandb={cfg.wandb!r} is unknown; choose {', '.join(WANDB_MODES)}")
+    if cfg.trainable not in TRAINABLE:
+        raise UserError(f"train.trainable={cfg.trainable!r} is unknown; choose {', '.join(TRAINABLE)}")
+    if cfg.trainable != "all" and cfg.lora.rank > 0:
+        raise UserError(f"train.trainable={cfg.trainable} and LoRA (train.lora.rank={cfg.lora.rank}) both choose "
+                        "what trains; use one of them")
     for name in ("micro_batch_size", "gradient_accumulation_steps", "seq_len", "epochs"):
         if getattr(cfg, name) < 1:
             raise UserError(f"train.{name}={getattr(cfg, name)} must be at least 1")
@@ -137,7 +149,8 @@ def initialize(model: CausalLM, cfg: TrainConfig, dtype: torch.dtype, dp_size: i
 
 def micro_step(engine, batch: Batch, loss_scale: float) -> torch.Tensor:
     """Forward and backward of one micro-batch; returns its unscaled token-loss sum."""
-    loss_sum = engine(batch.input_ids, batch.positions, batch.targets, batch.segments)
+    loss_sum = engine(batch.input_ids, batch.positions, batch.targets, batch.segments, batch.pixel_values,
+                      batch.image_grid_thw)
     engine.backward(loss_sum * loss_scale)
     engine.step()
     return loss_sum.detach()

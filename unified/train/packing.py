@@ -9,7 +9,8 @@ target tokens without communicating.
 
 Each example's positions restart at 0, and its targets (the next token's label) are shifted within the
 example, so nothing is learned across an example boundary; `PackedAttention` masks attention to the
-query's own example.
+query's own example. A batch carries the pixels of its examples' images in the order their placeholder
+tokens appear in the rows (row by row, example by example), which is the order the model fills them in.
 """
 from __future__ import annotations
 
@@ -82,13 +83,16 @@ class Batch:
     positions: torch.Tensor  # [B, L], restarting at 0 for each example
     targets: torch.Tensor  # [B, L], the label of the next token of the same example, or IGNORE
     segments: torch.Tensor  # [B, L], example number within the row; -1 on padding
+    pixel_values: torch.Tensor | None = None  # the images of every example, in placeholder order
+    image_grid_thw: torch.Tensor | None = None  # [images, 3]
 
     @property
     def num_tokens(self) -> int:
         return int((self.segments >= 0).sum())
 
     def to(self, device) -> "Batch":
-        return Batch(*(t.to(device) for t in (self.input_ids, self.positions, self.targets, self.segments)))
+        return Batch(*(None if t is None else t.to(device) for t in (
+            self.input_ids, self.positions, self.targets, self.segments, self.pixel_values, self.image_grid_thw)))
 
 
 def collate(examples: list[Example], rows: list[list[int]], pad_id: int, multiple_of: int = 1) -> Batch:
@@ -106,7 +110,10 @@ def collate(examples: list[Example], rows: list[list[int]], pad_id: int, multipl
             tgt[r, at:at + n - 1] = torch.tensor(example.labels[1:])
             seg[r, at:at + n] = s
             at += n
-    return Batch(ids, pos, tgt, seg)
+    chosen = [examples[i] for row in rows for i in row]
+    pixels = [e.pixel_values for e in chosen if e.pixel_values is not None]
+    grids = [e.image_grid_thw for e in chosen if e.image_grid_thw is not None]
+    return Batch(ids, pos, tgt, seg, torch.cat(pixels) if pixels else None, torch.cat(grids) if grids else None)
 
 
 class PackedAttention:

@@ -2,7 +2,8 @@
 
 The run: runtime and process groups, the model loaded exactly as serving loads it, the data planned
 into steps (see packing), DeepSpeed around the model, then steps until `steps` (or the epochs) are done,
-saving resumable checkpoints on the way. At the end `output` holds a merged HF-layout checkpoint that
+saving resumable checkpoints on the way. A vision-language model trains on image+text lines; with
+`train.trainable` = vision or projector only that part of it trains (the language model frozen). At the end `output` holds a merged HF-layout checkpoint that
 `recipe=serve model=<output>` serves, and for LoRA `<output>/adapter` holds the adapter alone.
 """
 from __future__ import annotations
@@ -66,6 +67,41 @@ def _check_sequence_parallel(config, tc, tp: int) -> None:
                         "off for MLA, MoE or LoRA runs")
 
 
+def _image_support(config, path: Path, data: str):
+    """How the data's image parts become model input, or None for a text-only model."""
+    if config.vision is None:
+        return None
+    from unified.train.data import ImageSupport
+    from unified.vision import processor_for
+
+    return ImageSupport(processor_for(path), config.image_token_id, Path(data).parent)
+
+
+def _check_images(config, examples, tc) -> None:
+    with_images = sum(e.pixel_values is not None for e in examples)
+    if with_images and config.mrope_section:
+        raise UserError(f"training {config.vision.kind} on images needs M-RoPE positions, which training does not "
+                        "compute yet; LLaVA-layout models train on images (text-only lines train this model)")
+    if tc.trainable != "all" and with_images < len(examples):
+        raise UserError(f"train.trainable={tc.trainable} trains only the image path, but {len(examples) - with_images} "
+                        f"of {len(examples)} examples have no image; give every line an image part or train all")
+
+
+def _freeze_all_but(model, trainable: str) -> None:
+    """train.trainable: the vision tower and projector (vision) or the projector alone; the rest is frozen."""
+    if trainable == "all":
+        return
+    vision = getattr(model, "vision", None)
+    if vision is None:
+        raise UserError(f"train.trainable={trainable} trains the vision side, but the model is text-only; "
+                        "use train.trainable=all (or LoRA)")
+    keep = vision if trainable == "vision" else vision.projector if hasattr(vision, "projector") else vision.merger
+    for param in model.parameters():
+        param.requires_grad_(False)
+    for param in keep.parameters():
+        param.requires_grad_(True)
+
+
 def _sum_partial_grads(model, tc) -> None:
     """Replicated weights whose tensor-parallel ranks each see part of the work get the sum of the ranks'
     gradients: qk-norms (shared by heads the ranks split) and, with sequence parallel, every weight used
@@ -125,8 +161,9 @@ def train(cfg) -> TrainResult:
     runtime = start_runtime(cfg.device, cfg.parallel, cfg.seed)
     path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    examples = load_examples(cfg.data, tokenizer, tc.seq_len)
     config = model_config_from_hf(read_hf_config(path))
+    examples = load_examples(cfg.data, tokenizer, tc.seq_len, _image_support(config, path, cfg.data))
+    _check_images(config, examples, tc)
     _check_kv_heads(config, cfg.parallel.tensor)
     _check_sequence_parallel(config, tc, cfg.parallel.tensor)
     loaded = load_model(path, runtime.device, runtime.dtype)
@@ -138,6 +175,8 @@ def train(cfg) -> TrainResult:
         from unified.train.lora import apply_lora
 
         apply_lora(model, tc.lora)
+    _freeze_all_but(model, tc.trainable)
+    partial = lora or tc.trainable != "all"  # checkpoints hold only what trains
     _sum_partial_grads(model, tc)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())  # before ZeRO-3 partitions them
@@ -151,14 +190,15 @@ def train(cfg) -> TrainResult:
 
     output.mkdir(parents=True, exist_ok=True)
     checkpoints = output / CHECKPOINTS
-    start = checkpoint.resume(engine, checkpoints, runtime.accelerator, lora) if tc.resume else 0
+    start = checkpoint.resume(engine, checkpoints, runtime.accelerator, partial) if tc.resume else 0
     rank0 = torch.distributed.get_rank() == 0
     if rank0:
         log.info("training %s parameters of %s (%.2f%%) for %d steps from step %d; %d examples, %d rows per step",
                  f"{trainable:,}", f"{total:,}", 100 * trainable / total, steps, start, len(examples), rows_per_step)
     report = TrainLog(output, steps, start, rank0, tc.wandb, tc.wandb_project,
                       {"model": str(path), "steps": steps, "dp": dp, "tp": cfg.parallel.tensor,
-                       "zero_stage": tc.zero_stage, "lora_rank": tc.lora.rank, "lr": tc.lr})
+                       "zero_stage": tc.zero_stage, "lora_rank": tc.lora.rank, "lr": tc.lr,
+                       "trainable": tc.trainable})
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     dp_group = parallel_state.get_data_parallel_group()
     for step in range(start, steps):
@@ -178,10 +218,10 @@ def train(cfg) -> TrainResult:
                                None if grad_norm is None else float(grad_norm), int(totals[1]),
                                time.perf_counter() - began))
         if tc.save_every and (step + 1) % tc.save_every == 0 and step + 1 < steps:
-            checkpoint.save(engine, checkpoints, step + 1, runtime.accelerator, tc.keep_checkpoints, lora)
+            checkpoint.save(engine, checkpoints, step + 1, runtime.accelerator, tc.keep_checkpoints, partial)
             report.plot()
     if start < steps:
-        checkpoint.save(engine, checkpoints, steps, runtime.accelerator, tc.keep_checkpoints, lora)
+        checkpoint.save(engine, checkpoints, steps, runtime.accelerator, tc.keep_checkpoints, partial)
     report.close()
     _export(engine, loaded, tc, output)
     torch.distributed.barrier()
