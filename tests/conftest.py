@@ -143,3 +143,11 @@ def tiny_vl_checkpoint(tmp_path_factory):
         return made[family]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_vl_chat_checkpoint(tmp_path_factory, smollm2_checkpoint):
+    """A tiny random LLaVA with SmolLM2's tokenizer and chat template, `<image>` its image token."""
+    from tests.vision_fixtures import build_tiny_vl_chat_checkpoint
+
+    return build_tiny_vl_chat_checkpoint(tmp_path_factory.mktemp("tiny-vl-chat"), smollm2_checkpoint)

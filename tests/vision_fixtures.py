@@ -111,3 +111,32 @@ def reference_logits(hf_model, family: str, ids: torch.Tensor, images: dict[str,
         kwargs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
     with torch.inference_mode():
         return hf_model(input_ids=ids, **kwargs).logits
+
+
+def build_tiny_vl_chat_checkpoint(path, tokenizer_from, seed: int = 0):
+    """A tiny random LLaVA that chats: `tokenizer_from`'s tokenizer and chat template plus `<image>` as one
+    special token, the model's image_token_id. Its text weights are drawn wide (std 0.5), as in
+    build_tiny_chat_checkpoint, so greedy choices have clear margins."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_from)
+    tokenizer.add_tokens(["<image>"], special_tokens=True)
+    text = {**_TEXT, "vocab_size": len(tokenizer), "max_position_embeddings": 1024, "initializer_range": 0.5,
+            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    config = AutoConfig.for_model("llava", text_config=dict(model_type="llama", **text),
+                                  vision_config=VL_FAMILIES["llava"]["vision_config"],
+                                  image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-2)
+    torch.manual_seed(seed)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if any(k in name for k in ("vision", "projector")):
+                tensor.mul_(4.0)  # so that the image, not only the text, decides the answer
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    for name in ("chat_template.jinja", "generation_config.json"):
+        if (tokenizer_from / name).is_file():
+            shutil.copy(tokenizer_from / name, path / name)
+    return path

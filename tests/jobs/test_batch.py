@@ -41,3 +41,44 @@ def test_batch_resumes_and_skips_bad_lines(tmp_path, smollm2_checkpoint):
 def test_batch_without_input_says_how_to_call_it():
     result = run_cli("recipe=batch", "device=cpu")
     assert result.returncode == 2 and "input= and output=" in result.stderr
+
+
+def test_batch_with_images(tmp_path, tiny_vl_chat_checkpoint):
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    buffer = io.BytesIO()
+    Image.fromarray((rng.random((20, 28, 3)) * 255).astype("uint8")).save(buffer, format="PNG")
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "noise.png").write_bytes(buffer.getvalue())
+    (tmp_path / "images" / "cut.png").write_bytes(buffer.getvalue()[:200])
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+    def ask(image_part: dict) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image_part]}]
+
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(json.dumps({**line, "max_tokens": 6, "ignore_eos": True}) for line in [
+        {"id": "path", "messages": ask({"type": "image", "image": "images/noise.png"})},
+        {"id": "cut", "messages": ask({"type": "image", "image": "images/cut.png"})},
+        {"id": "text", "messages": [{"role": "user", "content": "Hello there"}]},
+        {"id": "data-url", "messages": ask({"type": "image_url", "image_url": {"url": url}})},
+        {"id": "remote", "messages": ask({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}})},
+        {"id": "missing", "messages": ask({"type": "image", "image": "images/none.png"})},
+    ]) + "\n")
+
+    result = run_cli("recipe=batch", f"model={tiny_vl_chat_checkpoint}", f"input={source}", f"output={target}",
+                     *ENGINE)
+    assert result.returncode == 0, result.stderr
+    assert f"{source}:2: skipped: the file '{tmp_path / 'images' / 'cut.png'}' is truncated" in result.stderr
+    assert f"{source}:5: skipped: image URLs are not fetched" in result.stderr
+    assert f"{source}:6: skipped: no image file at" in result.stderr
+    records = {r["id"]: r for r in _lines(target)}
+    assert sorted(records) == ["data-url", "path", "text"]
+    assert records["path"]["text"] == records["data-url"]["text"]  # the same image, as a file or a data URL
+    assert records["path"]["usage"]["prompt_tokens"] > records["text"]["usage"]["prompt_tokens"]
+    assert "3 skipped for errors" in result.stdout

@@ -48,7 +48,12 @@ class EngineConfig:
 class ServeConfig:
     model_name: Optional[str] = None  # the name clients send as `model`; None: the model folder's name
     api_key_env: str = "UNIFIED_API_KEY"  # environment variable holding the bearer token; unset: no auth
-    max_body_bytes: int = 1_048_576
+    max_body_bytes: int = 1_048_576  # a request body, not counting the data URLs of a chat request's images
+    # Images (vision-language models; only data URLs over HTTP, nothing is fetched): at most max_images per
+    # chat request across its messages (vLLM's --limit-mm-per-prompt), each data URL at most max_image_bytes
+    # (base64: a ~7.5 MB file in 10 MiB). A chat body may so reach max_body_bytes + max_images * max_image_bytes.
+    max_images: int = 8
+    max_image_bytes: int = 10 * 2 ** 20
     max_tokens: int = 4096  # the largest max_tokens a request may ask for
     default_max_tokens: int = 512  # when a chat request gives none (capped by the context left)
     max_n: int = 8

@@ -58,13 +58,20 @@ def chat_prompt(tokenizer, messages: list[dict], image_marker: str | None = None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+IMAGE_PART_TYPES = ("image", "image_url")
+
+
 def flatten_content(content: str | list[dict], image_marker: str | None) -> str:
     if isinstance(content, str):
         return content
     text = []
     for part in content:
-        if part.get("type") == "text":
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
             text.append(part["text"])
+        elif kind not in IMAGE_PART_TYPES:
+            raise InvalidRequest(f'a content part must be {{"type": "text", "text": ...}} or an image part '
+                                 f'(type {" or ".join(IMAGE_PART_TYPES)}); got {str(part)[:80]}')
         elif image_marker is None:
             raise InvalidRequest("this model takes no image input; send text parts only")
         else:
@@ -79,10 +86,17 @@ def content_images(messages: list[dict]) -> list:
     for message in messages:
         for part in message["content"] if isinstance(message["content"], list) else ():
             if part.get("type") == "image":
-                images.append(part["image"])
+                image = part.get("image")
             elif part.get("type") == "image_url":
-                url = part["image_url"]
-                images.append(url["url"] if isinstance(url, dict) else url)
+                url = part.get("image_url")
+                image = url.get("url") if isinstance(url, dict) else url
+            else:
+                continue
+            if image is None:
+                raise InvalidRequest(f'an image part carries no image ({str(part)[:80]}); send {{"type": "image", '
+                                     f'"image": <file path or data URL>}} or {{"type": "image_url", "image_url": '
+                                     f'{{"url": <data URL>}}}}')
+            images.append(image)
     return images
 
 

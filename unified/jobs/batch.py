@@ -1,10 +1,14 @@
 """`unified recipe=batch input=prompts.jsonl output=out.jsonl`: offline batch inference.
 
 Each input line is a JSON object with `messages` (chat) or `prompt` (raw text or token ids), an optional `id`
-(default: the line number) and optional sampling options (`max_tokens`, `temperature`, ...). Results
+(default: the line number) and optional sampling options (`max_tokens`, `temperature`, ...). A message's
+`content` may be a list of parts for a vision-language model: text, `{"type": "image", "image": <file path
+or data URL>}` or `{"type": "image_url", "image_url": {"url": <data URL>}}`; relative paths are read from
+the input file's folder (the input is the user's own, so unlike the server, paths are fine). Results
 are appended to the output as each request finishes, one flushed line each, so a rerun after a crash
 skips the ids already written (a half-written last line is dropped and redone). A malformed line is
-reported with its line number and skipped; the others still run.
+reported with its line number and skipped, as is a line with an image that cannot be used; the others
+still run.
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from unified.engine.llm import LLM, chat_prompt
+from unified.engine.llm import LLM, chat_prompt, content_images
 from unified.engine.llm_engine import RequestOutput
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.errors import UserError
@@ -37,7 +41,8 @@ def _completed_ids(output: Path) -> set[str]:
     return done
 
 
-def _parse(line: str, lineno: int, tokenizer) -> tuple[str, list[int], SamplingParams]:
+def _parse(line: str, lineno: int, tokenizer, image_marker: str | None,
+           folder: Path) -> tuple[str, list[int], list, SamplingParams]:
     try:
         item = json.loads(line)
     except json.JSONDecodeError as err:
@@ -45,10 +50,12 @@ def _parse(line: str, lineno: int, tokenizer) -> tuple[str, list[int], SamplingP
     if not isinstance(item, dict):
         raise InvalidRequest("each line must be a JSON object")
     request_id = str(item.get("id", f"line-{lineno}"))
+    images = []
     if isinstance(item.get("messages"), list) and item["messages"]:
-        if not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in item["messages"]):
-            raise InvalidRequest("every message needs a string 'content'")
-        ids = chat_prompt(tokenizer, item["messages"])
+        if not all(isinstance(m, dict) and isinstance(m.get("content"), (str, list)) for m in item["messages"]):
+            raise InvalidRequest("every message needs a 'content': a string or a list of parts")
+        ids = chat_prompt(tokenizer, item["messages"], image_marker)
+        images = [_resolve(image, folder) for image in content_images(item["messages"])]
     elif isinstance(item.get("prompt"), str):
         ids = tokenizer(item["prompt"])["input_ids"]
     elif isinstance(item.get("prompt"), list) and all(isinstance(t, int) for t in item["prompt"]):
@@ -58,7 +65,15 @@ def _parse(line: str, lineno: int, tokenizer) -> tuple[str, list[int], SamplingP
     options = {k: v for k, v in item.items() if k not in REQUEST_KEYS}
     options.setdefault("temperature", 0.0)
     options.setdefault("max_tokens", 256)
-    return request_id, ids, SamplingParams.from_dict(options)
+    return request_id, ids, images, SamplingParams.from_dict(options)
+
+
+def _resolve(image, folder: Path):
+    """A relative file path is read from the input file's folder; data and http(s) URLs pass as they are
+    (the engine decodes the first and refuses the second)."""
+    if not isinstance(image, str) or image.startswith("data:") or image.split(":", 1)[0].lower() in ("http", "https"):
+        return image
+    return folder / image
 
 
 def _record(output: RequestOutput) -> dict:
@@ -90,6 +105,7 @@ def _run_batch(llm, source: Path, target: Path, in_flight_cap: int) -> None:
     done = _completed_ids(target)
     lines = source.read_text().splitlines()
     engine = llm.engine
+    marker = engine.image_processor.prompt_marker if engine.image_processor else None
     pending = iter(enumerate(lines, start=1))
     skipped = errors = 0
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -101,12 +117,12 @@ def _run_batch(llm, source: Path, target: Path, in_flight_cap: int) -> None:
                     bar.update(1)
                     continue
                 try:
-                    request_id, ids, params = _parse(line, lineno, llm.tokenizer)
+                    request_id, ids, images, params = _parse(line, lineno, llm.tokenizer, marker, source.parent)
                     if request_id in done:
                         skipped += 1
                         bar.update(1)
                         continue
-                    engine.add_request(ids, params, request_id)
+                    engine.add_request(ids, params, request_id, images)
                 except InvalidRequest as err:
                     errors += 1
                     bar.update(1)

@@ -56,8 +56,9 @@ def _error_response(err: APIError) -> JSONResponse:
 
 
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
-    first = err.errors()[0]
-    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # Of a union's branches (content: a string or a list of parts) the deepest error is the one that matters.
+    first = max(err.errors(), key=lambda e: len(e.get("loc", ())))
+    where = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p)]
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     if first.get("type") == "extra_forbidden":
@@ -88,16 +89,15 @@ class Guards:
             refusal = self._refusal(scope, path)
             if refusal is not None:
                 return await _error_response(refusal)(scope, receive, counting_send)
-            await self.app(scope, self._limited(receive), counting_send)
+            await self.app(scope, self._limited(receive, path), counting_send)
         finally:
             self.state.metrics.requests.labels(endpoint, str(status["code"])).inc()
 
     def _refusal(self, scope, path: str) -> APIError | None:
         headers = dict(scope["headers"])
-        limit = self.state.limits.max_body_bytes
         length = headers.get(b"content-length", b"0")
-        if not length.isdigit() or int(length) > limit:
-            return APIError(f"the request body is larger than {limit} bytes (serve.max_body_bytes)", status=413)
+        if not length.isdigit() or int(length) > self._body_limit(path):
+            return self._too_large(path)
         if self.state.api_key and path.startswith("/v1/"):
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.state.api_key}".encode()):
@@ -105,8 +105,8 @@ class Guards:
                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return None
 
-    def _limited(self, receive):
-        limit, seen = self.state.limits.max_body_bytes, 0
+    def _limited(self, receive, path: str):
+        limit, seen = self._body_limit(path), 0
 
         async def receive_limited():
             nonlocal seen
@@ -114,10 +114,29 @@ class Guards:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise APIError(f"the request body is larger than {limit} bytes (serve.max_body_bytes)", status=413)
+                    raise self._too_large(path)
             return message
 
         return receive_limited
+
+    def _images_allowed(self, path: str) -> bool:
+        """Chat bodies may carry images on top of max_body_bytes, unless the model takes none (the handler
+        then checks each image, and the rest of the body against max_body_bytes; see serve.images)."""
+        startup = self.state.startup
+        return path == _CHAT and not (startup.ready and startup.loop.engine.image_processor is None)
+
+    def _body_limit(self, path: str) -> int:
+        limits = self.state.limits
+        return limits.max_body_bytes + (limits.max_images * limits.max_image_bytes if self._images_allowed(path) else 0)
+
+    def _too_large(self, path: str) -> APIError:
+        if self._images_allowed(path):
+            return APIError(f"the request body is larger than {self._body_limit(path)} bytes (serve.max_body_bytes "
+                            f"plus serve.max_images x serve.max_image_bytes for images)", status=413)
+        return APIError(f"the request body is larger than {self.state.limits.max_body_bytes} bytes "
+                        f"(serve.max_body_bytes)", status=413)
+
+_CHAT = "/v1/chat/completions"
 
 
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/feedback", "/v1/admin/reload_weights",

@@ -49,6 +49,7 @@ class _Stream:
     prompt: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
+    images: list | None = None  # checked PIL images for the prompt's image placeholders
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: list[int] = field(default_factory=list)  # output tokens already delivered, per sequence
     seqs: list = field(default_factory=list)
@@ -83,9 +84,10 @@ class EngineLoop:
 
     # Called from the event loop ----------------------------------------------------------------------
 
-    async def submit(self, request_id: str, prompt: list[int], params: SamplingParams) -> asyncio.Queue:
+    async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
+                     images: list | None = None) -> asyncio.Queue:
         """Queues a request; returns its update queue once the engine accepted it, or raises InvalidRequest."""
-        stream = _Stream(request_id, prompt, params, asyncio.get_running_loop())
+        stream = _Stream(request_id, prompt, params, asyncio.get_running_loop(), images)
         self._post(("add", stream))
         accepted = await stream.queue.get()
         if isinstance(accepted, Exception):
@@ -153,10 +155,11 @@ class EngineLoop:
 
     def _add(self, stream: _Stream) -> None:
         try:
-            self.engine.add_request(stream.prompt, stream.params, stream.request_id)
+            self.engine.add_request(stream.prompt, stream.params, stream.request_id, stream.images)
         except InvalidRequest as err:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, err)
             return
+        stream.images = None  # the engine keeps their pixels
         stream.seqs = self.engine.sequences(stream.request_id)
         stream.sent = [0] * len(stream.seqs)
         self._streams[stream.request_id] = stream

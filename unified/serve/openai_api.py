@@ -24,6 +24,7 @@ from unified.engine.sampling_params import InvalidRequest
 from unified.serve.conversation_log import conversation_record
 from unified.serve.detokenizer import IncrementalDetokenizer
 from unified.serve.errors import APIError
+from unified.serve.images import check_images, decode_images, image_refs, logged_messages
 from unified.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -43,18 +44,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if len(body.messages) > server.limits.max_messages:
         raise APIError(f"the request has {len(body.messages)} messages; this server accepts at most "
                        f"{server.limits.max_messages} (serve.max_messages)", param="messages")
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": _text_of(m.content)}
+    refs = image_refs(body.messages)
+    processor = loop.engine.image_processor
+    check_images(refs, len(await request.body()), server.limits, processor is not None)
+    messages = [{"role": "system" if m.role == "developer" else m.role,
+                 "content": m.content if isinstance(m.content, str) else [p.model_dump(exclude_none=True)
+                                                                          for p in m.content]}
                 for m in body.messages]
     try:
-        prompt = chat_prompt(loop.engine.tokenizer, messages)
+        prompt = chat_prompt(loop.engine.tokenizer, messages, processor.prompt_marker if processor else None)
     except (TemplateError, ValueError, TypeError) as err:  # the model's own template refused the conversation
         raise APIError(f"the model's chat template rejected these messages: {err}", param="messages") from None
+    images = await decode_images(refs)
     fmt = _ChatFormat(body, server.model_name)
     on_finish = None
     if server.conversations is not None:
-        on_finish = functools.partial(_log_conversation, server.conversations, fmt, messages,
+        on_finish = functools.partial(_log_conversation, server.conversations, fmt, logged_messages(messages, images),
                                       loop.engine.weights_version)
-    return await _serve(request, body, prompt, fmt, on_finish)
+    return await _serve(request, body, prompt, fmt, on_finish, [i.image for i in images])
 
 
 async def _log_conversation(conversations, fmt, messages: list[dict], weights_version: int, final) -> None:
@@ -78,16 +85,9 @@ async def completions(body: CompletionRequest, request: Request):
     return await _serve(request, body, prompt, _CompletionFormat(body, server.model_name, echo))
 
 
-def _text_of(content) -> str:
-    if isinstance(content, str):
-        return content
-    if any(part.type == "image_url" for part in content):
-        raise APIError("this model takes text only; image inputs need a vision-language model", param="messages")
-    return "".join(part.text for part in content)
-
-
-async def _serve(request: Request, body, prompt: list[int], fmt, on_finish=None):
-    """`on_finish(final output)`, a coroutine function, runs before the last of the answer is sent."""
+async def _serve(request: Request, body, prompt: list[int], fmt, on_finish=None, images: list | None = None):
+    """`on_finish(final output)`, a coroutine function, runs before the last of the answer is sent. `images`
+    go with a prompt holding the model's image placeholder once per image."""
     server = request.app.state.server
     loop, limits = server.startup.loop, server.limits
     if body.n > limits.max_n:
@@ -112,7 +112,7 @@ async def _serve(request: Request, body, prompt: list[int], fmt, on_finish=None)
     try:
         params = body.sampling_params(max_tokens, body.logprobs_k())
         arrival = time.perf_counter()
-        updates = await loop.submit(fmt.id, prompt, params)
+        updates = await loop.submit(fmt.id, prompt, params, images)
     except InvalidRequest as err:
         raise APIError(str(err)) from None
     server.metrics.prompt_tokens.inc(len(prompt))
@@ -122,7 +122,7 @@ async def _serve(request: Request, body, prompt: list[int], fmt, on_finish=None)
     timer = _Timer(server.metrics, arrival)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = _stream(loop, fmt, updates, choices, tokenizer, timer, include_usage, len(prompt), on_finish)
+        events = _stream(loop, fmt, updates, choices, tokenizer, timer, include_usage, on_finish)
         return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     final = await _collect(request, loop, fmt.id, updates, timer)
     if on_finish is not None:
@@ -185,8 +185,7 @@ async def _collect(request: Request, loop, request_id: str, updates: asyncio.Que
         raise
 
 
-async def _stream(loop, fmt, updates, choices, tokenizer, timer: _Timer, include_usage: bool, prompt_tokens: int,
-                  on_finish):
+async def _stream(loop, fmt, updates, choices, tokenizer, timer: _Timer, include_usage: bool, on_finish):
     finished = False
     try:
         while not finished:
@@ -213,7 +212,7 @@ async def _stream(loop, fmt, updates, choices, tokenizer, timer: _Timer, include
                     yield _sse(fmt.chunk(output.index, rest, None, output.finish_reason,
                                          first=not choices[output.index].started), include_usage)
                 if include_usage:
-                    yield _sse({**fmt.chunk_base(), "choices": [], "usage": _usage(prompt_tokens, update.final)}, False)
+                    yield _sse({**fmt.chunk_base(), "choices": [], "usage": _usage(update.final)}, False)
         yield "data: [DONE]\n\n"
     except APIError as err:  # the headers are sent: the error travels as an event, then the stream ends
         yield _sse({"error": err.body()["error"]}, False)
@@ -230,7 +229,9 @@ def _sse(chunk: dict, include_usage: bool) -> str:
     return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
-def _usage(prompt_tokens: int, final) -> dict:
+def _usage(final) -> dict:
+    """Prompt tokens count each image's placeholder tokens, as the model saw them."""
+    prompt_tokens = len(final.prompt_token_ids)
     completion = sum(len(o.token_ids) for o in final.outputs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": final.num_cached_tokens}}
@@ -256,7 +257,7 @@ class _Format:
     def response(self, final, tokenizer) -> dict:
         choices = [self.choice(o, tokenizer) for o in final.outputs]
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": _usage(len(final.prompt_token_ids), final), "system_fingerprint": None}
+                "choices": choices, "usage": _usage(final), "system_fingerprint": None}
 
 
 class _ChatFormat(_Format):

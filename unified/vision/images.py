@@ -46,7 +46,7 @@ def load_image(source, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.Image:
     if isinstance(source, (bytes, bytearray, memoryview)):
         return _decode(io.BytesIO(source), "the image data", max_pixels)
     if isinstance(source, str) and source.startswith("data:"):
-        return _decode(io.BytesIO(_data_url_bytes(source)), "the data URL", max_pixels)
+        return _decode(io.BytesIO(data_url_bytes(source)), "the data URL", max_pixels)
     if isinstance(source, str) and source.split(":", 1)[0].lower() in ("http", "https"):
         raise ImageError(f"image URLs are not fetched ({_short(source)}): the server does not download from "
                          "addresses a request names. Send the image itself as a data URL, "
@@ -123,7 +123,8 @@ def _check_size(size: tuple[int, int], max_pixels: int, what: str = "the image")
                          f"{max_pixels:,}; downscale it (models see at most a few megapixels anyway).")
 
 
-def _data_url_bytes(url: str) -> bytes:
+def data_url_bytes(url: str) -> bytes:
+    """The file a `data:<type>;base64,<payload>` URL carries; ImageError when it is not one."""
     header, comma, payload = url.partition(",")
     if not comma or not header.endswith(";base64"):
         raise ImageError(f"a data URL must look like data:image/png;base64,<base64 data>; got {_short(url)}.")
