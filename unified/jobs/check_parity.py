@@ -1,8 +1,8 @@
 """`unified recipe=check_parity model=<dir>`: prints per-layer and final-logit cosine similarity between
 our model and `transformers` on the same checkpoint and exits non-zero below the thresholds.
 
-A vision-language checkpoint is compared twice: on the text alone, and on the text with two drawn images
-of different sizes (prepared by the checkpoint's own image processor) in the middle of it."""
+A vision-language checkpoint is compared twice: on the text alone, and on the text with two sample photos
+from scikit-image, of different sizes (prepared by the checkpoint's own image processor), in the middle of it."""
 from __future__ import annotations
 
 import torch
@@ -37,7 +37,7 @@ def run(cfg) -> None:
             ids = ids.masked_fill(ids == placeholder, 0)
     reports = {"text": _gathered(compare(ours.model, reference, ids))}
     if ours.config.vision is not None:
-        images = _drawn_images(path)
+        images = _sample_images(path)
         with_images = _with_placeholders(ids, ours.config.image_token_id, images.num_tokens)
         title = f"text + {len(images.num_tokens)} images ({sum(images.num_tokens)} image tokens)"
         reports[title] = _gathered(compare(ours.model, reference, with_images.to(runtime.device), images))
@@ -65,23 +65,17 @@ def _gathered(report):
     return report
 
 
-def _drawn_images(path):
-    """Two synthetic pictures of different sizes and aspect ratios, through the checkpoint's image processor."""
-    from PIL import Image, ImageDraw
+def _sample_images(path):
+    """Two photos that ship with scikit-image (the astronaut, a cup of coffee), scaled to small sizes of
+    different aspect ratios so that tiny test models see few image tokens, through the checkpoint's processor."""
+    from PIL import Image
+    from skimage import data
 
     from unified.vision import processor_for
 
-    pictures = []
-    for width, height, seed in ((168, 112, 1), (84, 140, 2)):
-        picture = Image.linear_gradient("L").resize((width, height)).convert("RGB")
-        draw = ImageDraw.Draw(picture)
-        generator = torch.Generator().manual_seed(seed)
-        for _ in range(6):
-            x, y = (int(v) for v in torch.randint(0, min(width, height) - 20, (2,), generator=generator))
-            color = tuple(int(c) for c in torch.randint(0, 256, (3,), generator=generator))
-            draw.ellipse((x, y, x + 20 + x % 30, y + 20 + y % 25), fill=color)
-        pictures.append(picture)
-    return processor_for(path)(pictures)
+    photos = [Image.fromarray(data.astronaut()).resize((168, 112), Image.Resampling.BICUBIC),
+              Image.fromarray(data.coffee()).resize((84, 140), Image.Resampling.BICUBIC)]
+    return processor_for(path)(photos)
 
 
 def _with_placeholders(ids: torch.Tensor, image_token_id: int, counts: list[int]) -> torch.Tensor:
