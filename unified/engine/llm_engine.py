@@ -232,16 +232,16 @@ class LLMEngine:
     # Requests ---------------------------------------------------------------------------------------
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, images: list | None = None) -> str:
-        """`images` (file paths, bytes, data URLs or PIL images) go with a prompt that holds the model's
-        image placeholder token once per image, where each image belongs."""
+                    request_id: str | None = None, images=None) -> str:
+        """`images` (file paths, bytes, data URLs or PIL images, or unified.vision.ImageInputs the model's
+        processor made of them) go with a prompt that holds the image placeholder once per image."""
         params = params or SamplingParams()
         params.validate()
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty; send at least one token")
         multimodal = None
-        if images:
+        if images is not None and (not isinstance(images, list) or images):
             ids, multimodal = self._with_images(ids, images)
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len}; "
@@ -263,7 +263,7 @@ class LLMEngine:
         self.requests[request_id] = request
         return request_id
 
-    def _with_images(self, ids: list[int], images: list) -> tuple[list[int], MultimodalPrompt]:
+    def _with_images(self, ids: list[int], images) -> tuple[list[int], MultimodalPrompt]:
         if self.config.vision is None or self.image_processor is None:
             raise InvalidRequest("this model takes no image input; send text only, or serve a vision-language model")
         try:

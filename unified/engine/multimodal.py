@@ -104,14 +104,15 @@ class EncoderCache:
         self.bytes = 0
 
 
-def multimodal_prompt(token_ids: list[int], images: list, processor, config) -> tuple[list[int], MultimodalPrompt]:
-    """Loads and preprocesses `images` (paths, bytes, data URLs or PIL images) for a prompt holding one
-    placeholder token per image; returns the prompt with each placeholder expanded to its image's rows.
-    Bad images raise unified.vision.ImageError (a UserError)."""
+def multimodal_prompt(token_ids: list[int], images, processor, config) -> tuple[list[int], MultimodalPrompt]:
+    """Loads and preprocesses `images` (paths, bytes, data URLs or PIL images; or the `ImageInputs` the
+    processor made of them already) for a prompt holding one placeholder token per image; returns the
+    prompt with each placeholder expanded to its image's rows. Bad images raise unified.vision.ImageError."""
     from unified.vision.images import load_image
+    from unified.vision.pixels import ImageInputs
     from unified.vision.placeholders import expand_image_placeholders
 
-    inputs = processor([load_image(image) for image in images])
+    inputs = images if isinstance(images, ImageInputs) else processor([load_image(image) for image in images])
     expanded = expand_image_placeholders(token_ids, config.image_token_id, inputs.num_tokens)
     offsets, shift, image = [], 0, 0
     for index, token in enumerate(token_ids):
@@ -121,7 +122,7 @@ def multimodal_prompt(token_ids: list[int], images: list, processor, config) -> 
             image += 1
     grids = inputs.image_grid_thw
     if grids is None:
-        pixels, grid_tuples = list(inputs.pixel_values.unbind(0)), [None] * len(images)
+        pixels, grid_tuples = list(inputs.pixel_values.unbind(0)), [None] * len(inputs.num_tokens)
     else:
         pixels = list(inputs.pixel_values.split(grids.prod(-1).tolist()))
         grid_tuples = [tuple(g) for g in grids.tolist()]

@@ -49,7 +49,7 @@ class _Stream:
     prompt: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
-    images: list | None = None  # checked PIL images for the prompt's image placeholders
+    images: object = None  # the ImageInputs (pixels) of the prompt's image placeholders
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: list[int] = field(default_factory=list)  # output tokens already delivered, per sequence
     seqs: list = field(default_factory=list)
@@ -85,7 +85,7 @@ class EngineLoop:
     # Called from the event loop ----------------------------------------------------------------------
 
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams,
-                     images: list | None = None) -> asyncio.Queue:
+                     images=None) -> asyncio.Queue:
         """Queues a request; returns its update queue once the engine accepted it, or raises InvalidRequest."""
         stream = _Stream(request_id, prompt, params, asyncio.get_running_loop(), images)
         self._post(("add", stream))

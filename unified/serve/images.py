@@ -6,8 +6,8 @@
 - `serve.max_images` per request across its messages, `serve.max_image_bytes` per data URL; the rest of
   the body is held to `serve.max_body_bytes` as for text requests (the body guard lets a chat body grow
   by max_images x max_image_bytes, the handler then checks each part).
-- Decoding (size from the header first, then the pixels) runs on a worker thread, so neither the event
-  loop nor the engine thread waits on a large file; the engine gets checked RGB images.
+- Decoding (size from the header first, then the pixels) and preprocessing run on a worker thread, so
+  neither the event loop nor the engine thread waits on a large file; the engine gets the pixel inputs.
 - The conversation log keeps each image as the sha256 and size of its file, never the base64.
 """
 from __future__ import annotations
@@ -80,6 +80,15 @@ def _check_url(ref: ImageRef) -> None:
 async def decode_images(refs: list[ImageRef]) -> list[RequestImage]:
     """The checked RGB images, decoded off the event loop; a bad one is a 400 that names its part."""
     return await asyncio.to_thread(lambda: [_decode(ref) for ref in refs])
+
+
+async def preprocess_images(processor, images: list[RequestImage]):
+    """The model's pixel inputs for `images` (resize, normalise, patchify), computed off the event loop and
+    the engine thread, so a large image delays neither."""
+    try:
+        return await asyncio.to_thread(processor, [i.image for i in images])
+    except ImageError as err:
+        raise APIError(str(err), param="messages") from None
 
 
 def _decode(ref: ImageRef) -> RequestImage:

@@ -24,7 +24,7 @@ from unified.engine.sampling_params import InvalidRequest
 from unified.serve.conversation_log import conversation_record
 from unified.serve.detokenizer import IncrementalDetokenizer
 from unified.serve.errors import APIError
-from unified.serve.images import check_images, decode_images, image_refs, logged_messages
+from unified.serve.images import check_images, decode_images, image_refs, logged_messages, preprocess_images
 from unified.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 if TYPE_CHECKING:
@@ -61,7 +61,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if server.conversations is not None:
         on_finish = functools.partial(_log_conversation, server.conversations, fmt, logged_messages(messages, images),
                                       loop.engine.weights_version)
-    return await _serve(request, body, prompt, fmt, on_finish, [i.image for i in images])
+    return await _serve(request, body, prompt, fmt, on_finish,
+                        await preprocess_images(processor, images) if images else None)
 
 
 async def _log_conversation(conversations, fmt, messages: list[dict], weights_version: int, final) -> None:
@@ -85,9 +86,9 @@ async def completions(body: CompletionRequest, request: Request):
     return await _serve(request, body, prompt, _CompletionFormat(body, server.model_name, echo))
 
 
-async def _serve(request: Request, body, prompt: list[int], fmt, on_finish=None, images: list | None = None):
+async def _serve(request: Request, body, prompt: list[int], fmt, on_finish=None, images=None):
     """`on_finish(final output)`, a coroutine function, runs before the last of the answer is sent. `images`
-    go with a prompt holding the model's image placeholder once per image."""
+    (ImageInputs) go with a prompt holding the model's image placeholder once per image."""
     server = request.app.state.server
     loop, limits = server.startup.loop, server.limits
     if body.n > limits.max_n:
