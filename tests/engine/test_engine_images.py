@@ -158,3 +158,16 @@ def _png_bytes(image: Image.Image) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG")
     return buffer.getvalue()
+
+
+def test_prefetch_encodes_the_next_requests_images_during_the_step_before(vl):
+    loaded, processor = vl("qwen2_vl")
+    engine = engine_for(loaded, processor, max_num_seqs=1, image_prefetch=True)  # one request at a time
+    requests = [(prompt(i, 1), [picture(10 + i)], [7, 8]) for i in range(3)]
+    got = run(engine, requests)
+    for (ids, images, continuation), logits in zip(requests, got):
+        torch.testing.assert_close(logits, reference(loaded, processor, ids, images, continuation), atol=1e-4, rtol=1e-4)
+    cache = engine.runner.encoder_cache
+    # The first image is encoded by its own step; the other two while the request before them ran.
+    assert cache.misses == 3 and cache.hits == 2
+    assert_no_block_leaks(engine)

@@ -42,6 +42,9 @@ class EngineConfig:
     packed_weights: bool = True  # CPU: keep MKL-packed weight copies (faster batched matmuls, more memory)
     lora_adapter: Optional[str] = None  # a LoRA adapter folder (ours or peft's) served unmerged on the base model
     image_cache_bytes: int = 256 * 2 ** 20  # vision-tower outputs kept by image content hash (LRU)
+    # Encode the images of requests about to run while the current step's forward is in flight (on a side
+    # stream, overlapping the language model); None: on accelerators, off on CPU, where nothing overlaps.
+    image_prefetch: Optional[bool] = None
 
 
 @dataclass

@@ -81,7 +81,7 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids or ())
         if engine_cfg.packed_weights:
             model.pack_weights(engine_cfg.max_num_seqs)
-        self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes)
+        self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes, accelerator, engine_cfg.image_prefetch)
         self.is_driver = torch.distributed.get_rank() == 0
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         num_blocks = self._cache_blocks(accelerator)
@@ -249,7 +249,8 @@ class LLMEngine:
         if not self.cfg.chunked_prefill and len(ids) > self.cfg.max_num_batched_tokens:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens, more than engine.max_num_batched_tokens="
                                  f"{self.cfg.max_num_batched_tokens} with chunked prefill off")
-        if any(not 0 <= t < self.config.vocab_size for t in ids if multimodal is None or t != self.config.image_token_id):
+        placeholder = self.config.image_token_id if multimodal is not None else None
+        if any(not 0 <= t < self.config.vocab_size for t in ids if t != placeholder):
             raise InvalidRequest(f"prompt token ids must be in [0, {self.config.vocab_size})")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
@@ -296,6 +297,8 @@ class LLMEngine:
         if not batch:
             return []
         logits = self.runner.execute(batch)
+        if self.runner.prefetches:  # while the forward is in flight on an accelerator
+            self.runner.prefetch_images(self._upcoming_images(batch))
         sampling = [item.seq for item in batch if item.samples]
         tokens, entries = choose(logits, sampling) if sampling else ([], [])
         for item in batch:
@@ -309,6 +312,17 @@ class LLMEngine:
             self._check_stop(seq, token)
             touched.add(seq.request_id)
         return [self._pop_output(rid) for rid in touched if self._finished(rid)]
+
+    def _upcoming_images(self, batch) -> list:
+        """Images of running and waiting sequences (in the order they run) that the steps after this one need."""
+        this_step = {id(item.seq): item.num_new_tokens for item in batch}
+        spans = []
+        waiting = itertools.islice(self.scheduler.waiting, self.cfg.max_num_seqs)
+        for seq in itertools.chain(self.scheduler.running, waiting):
+            if seq.multimodal is not None:
+                done = seq.num_computed_tokens + this_step.get(id(seq), 0)
+                spans += [span for span in seq.multimodal.images if span.end > done]
+        return spans
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

@@ -11,7 +11,9 @@ the driver may broadcast a command instead of a step (a weight update), which ev
 
 Image requests (see unified/engine/multimodal.py): the driver encodes the step's uncached images in one
 batched call of the vision tower and sends every rank the embedding rows of the placeholder tokens the
-step computes, in token order; M-RoPE models get [3, 1, T] positions.
+step computes, in token order; M-RoPE models get [3, 1, T] positions. With prefetching, the images of
+requests about to run are encoded while the current step's forward is in flight: on an accelerator on a
+side stream, so the tower overlaps the language model (on CPU there is nothing to overlap with).
 """
 from __future__ import annotations
 
@@ -24,12 +26,18 @@ from unified.model.forward_context import forward_context
 
 
 class ModelRunner:
-    def __init__(self, model, device: torch.device, encoder_cache_bytes: int = 0):
+    def __init__(self, model, device: torch.device, encoder_cache_bytes: int = 0, accelerator=None,
+                 prefetch_images: bool | None = None):
         self.model = model
         self.device = device
         self.cache: KVCache | None = None
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.mrope = getattr(model.config, "mrope_section", None) is not None
+        on_accelerator = device.type != "cpu" and accelerator is not None
+        self.prefetches = getattr(model.config, "vision", None) is not None and (
+            on_accelerator if prefetch_images is None else prefetch_images)
+        self.side_stream = accelerator.Stream() if self.prefetches and on_accelerator else None
+        self._accelerator = accelerator
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple:
         block_size = self.cache.block_size
@@ -77,14 +85,43 @@ class ModelRunner:
             images = (self._image_embeds(image_rows), mask)
         return ids, pos, meta, sample_rows, images
 
+    def _encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None) -> torch.Tensor:
+        return self.model.encode_images(pixel_values.to(self.device, self.model.dtype),
+                                        None if grid_thw is None else grid_thw.to(self.device))
+
     @torch.inference_mode()
     def _image_embeds(self, image_rows: list[tuple]) -> torch.Tensor:
-        def encode(pixel_values, grid_thw):
-            return self.model.encode_images(pixel_values.to(self.device, self.model.dtype),
-                                            None if grid_thw is None else grid_thw.to(self.device))
-
-        found = self.encoder_cache.embeddings(encode, [span for span, _, _ in image_rows])
+        if self.side_stream is not None:  # rows prefetched on the side stream must be complete
+            current = self._accelerator.current_stream()
+            current.wait_stream(self.side_stream)
+        found = self.encoder_cache.embeddings(self._encode, [span for span, _, _ in image_rows])
+        if self.side_stream is not None:  # their memory must outlive this stream's use of it
+            for rows in found.values():
+                rows.record_stream(current)
         return torch.cat([found[span.hash][lo:hi] for span, lo, hi in image_rows])
+
+    @torch.inference_mode()
+    def prefetch_images(self, spans: list) -> None:
+        """Encodes the uncached images of `spans` (of requests about to run) ahead of their step, as far as
+        the encoder cache holds them; on an accelerator on the side stream, behind the work queued so far."""
+        hidden, size = self.model.config.hidden_size, self.model.dtype.itemsize
+        room = self.encoder_cache.max_bytes - self.encoder_cache.bytes
+        todo, seen = [], set()
+        for span in spans:
+            need = span.num_tokens * hidden * size
+            if span.hash in self.encoder_cache.entries or span.hash in seen or need > room:
+                continue
+            todo.append(span)
+            seen.add(span.hash)
+            room -= need
+        if not todo:
+            return
+        if self.side_stream is None:
+            self.encoder_cache.embeddings(self._encode, todo)
+            return
+        self.side_stream.wait_stream(self._accelerator.current_stream())
+        with self._accelerator.stream(self.side_stream):
+            self.encoder_cache.embeddings(self._encode, todo)
 
     @property
     def distributed(self) -> bool:
