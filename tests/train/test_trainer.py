@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, run_cli
+from unified.config.schema import LoraConfig
 from unified.train.progress import read_metrics
 
 TRAIN = ("train.lr=3e-3", "train.warmup_steps=2", "train.seq_len=96", "train.micro_batch_size=2")
@@ -126,6 +127,8 @@ def test_a_crash_during_a_save_leaves_the_last_good_checkpoint(tiny_chat_checkpo
     ({"offload_optimizer": True, "zero_stage": 0}, "train.offload_optimizer needs train.zero_stage 1, 2 or 3"),
     ({"wandb": "loud"}, "train.wandb='loud' is unknown"),
     ({"micro_batch_size": 0}, "train.micro_batch_size=0 must be at least 1"),
+    ({"trainable": "lm"}, "train.trainable='lm' is unknown"),
+    ({"trainable": "projector", "lora": LoraConfig(rank=4)}, "train.trainable=projector and LoRA"),
 ])
 def test_bad_training_options_get_clear_errors(override, message):
     from unified.config.schema import TrainConfig

@@ -135,8 +135,9 @@ class ClipTowerConfig:
 class VisionDemoConfig:
     tower: ClipTowerConfig = field(default_factory=ClipTowerConfig)
     heldout_per_class: int = 30  # lfw faces and non-faces kept out of training, for the evaluation
-    tower_steps: int = 24  # phase 1: tower and projector train, the language model frozen
-    projector_steps: int = 8  # phase 2: the projector alone
+    tower_steps: int = 24  # phase 1: tower and projector train (at train.lr), the language model frozen
+    projector_steps: int = 6  # phase 2: the projector alone
+    projector_lr: float = 5e-4  # phase 2 refines what phase 1 learned: a lower rate than train.lr
 
 
 @dataclass

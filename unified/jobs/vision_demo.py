@@ -70,12 +70,13 @@ def run(cfg) -> None:
     if not (composed / "config.json").is_file():
         compose_llava(resolve_model(cfg.model), composed, demo.tower, cfg.seed)
     timings = {"data_and_compose_s": time.perf_counter() - began}
-    phases = (("tower", composed, demo.tower_steps, "vision"), ("model", out / "tower", demo.projector_steps, "projector"))
+    phases = (("tower", composed, demo.tower_steps, "vision", cfg.train.lr),
+              ("model", out / "tower", demo.projector_steps, "projector", demo.projector_lr))
     losses = {}
-    for name, source, steps, trainable in phases:
+    for name, source, steps, trainable, lr in phases:
         began = time.perf_counter()
         result = train(OmegaConf.merge(cfg, {"model": str(source), "data": str(train_file), "output": str(out / name),
-                                             "steps": steps, "train": {"trainable": trainable}}))
+                                             "steps": steps, "train": {"trainable": trainable, "lr": lr}}))
         timings[f"train_{trainable}_s"] = time.perf_counter() - began
         if result.history:
             losses[trainable] = [result.history[0].loss, result.history[-1].loss]
