@@ -4,6 +4,7 @@ then answers the accepted way, while a client chatting all along sees no error. 
 nothing and says why."""
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -116,3 +117,21 @@ def test_served_model_learns_accepted_replies_while_a_client_chats(served, tiny_
     assert _weights_version(served) == 1
     assert not errors and answered[0] > 0
     assert {p: _chat(served, p)[1] for p in PROMPTS} == accepted
+
+
+def test_logged_conversations_with_images_are_left_out(tmp_path):
+    from unified.serve.conversation_log import conversation_record
+    from unified.train.online import split_log
+
+    class Output:
+        index, text, finish_reason = 0, "a reply", "stop"
+
+    image = [{"type": "image", "sha256": "ab" * 32, "bytes": 123}, {"type": "text", "text": "what is this?"}]
+    records = [conversation_record("a", 0, "m", 0, [{"role": "user", "content": "hello"}], [Output()]),
+               conversation_record("b", 0, "m", 0, [{"role": "user", "content": image}], [Output()]),
+               conversation_record("c", 0, "m", 0, [{"role": "user", "content": "hi"}], [Output()])]
+    feedback = [{"feedback_for": rid, "accepted": True, "comment": None, "created": 1} for rid in ("a", "b")]
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps(r) + "\n" for r in records + feedback))
+    accepted, unrated = split_log(log)
+    assert [c[0]["content"] for c in accepted] == ["hello"] and [c[0]["content"] for c in unrated] == ["hi"]

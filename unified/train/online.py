@@ -60,11 +60,22 @@ def _conversation(record: dict) -> list[dict]:
     return record["messages"] + [record["choices"][0]["message"]]
 
 
+def _has_images(record: dict) -> bool:
+    return any(isinstance(m["content"], list) and any(part.get("type") != "text" for part in m["content"])
+               for m in record["messages"])
+
+
 def split_log(path: str | Path) -> tuple[list[list[dict]], list[list[dict]]]:
-    """(accepted conversations, conversations without feedback), each ending with the served reply."""
+    """(accepted conversations, conversations without feedback), each ending with the served reply.
+    Conversations with images are left out: the log keeps a hash of each image, not the picture."""
     from unified.serve.conversation_log import read_conversations
 
     records = [r for r in read_conversations(path) if r.get("choices")]
+    with_images = sum(map(_has_images, records))
+    if with_images:
+        log.warning("%s: %d conversations with images left out (the log keeps their hashes, not the pictures)",
+                    path, with_images)
+        records = [r for r in records if not _has_images(r)]
     accepted = [_conversation(r) for r in records if (r["feedback"] or {}).get("accepted") is True]
     unrated = [_conversation(r) for r in records if r["feedback"] is None]
     return accepted, unrated
