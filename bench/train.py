@@ -369,7 +369,7 @@ def report(args, name: str, params: int, runs: dict[str, list[Run]], rows: list[
           f"seq_len {args.seq_len}, micro-batch {args.micro_batch}, {args.warmup} warm-up + {args.steps} timed "
           f"steps, {args.rounds} round(s)")
     print(f"host: matmul {gflops[0]:.0f} GFLOP/s before, {gflops[1]:.0f} after; the recipe's default ZeRO stage: "
-          f"{TrainConfig.zero_stage}")
+          f"{TrainConfig.zero_stage} (None: 0 on one rank, 1 on several)")
     print(f"\n{'training, 1 rank':<40}{'tok/s':>8}{'step s':>8}{'loss 1st':>10}{'loss last':>10}   rounds (tok/s)")
     for key, done in runs.items():
         rate = statistics.median(r.tokens_per_s for r in done)

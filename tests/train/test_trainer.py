@@ -123,7 +123,7 @@ def test_a_crash_during_a_save_leaves_the_last_good_checkpoint(tiny_chat_checkpo
 @pytest.mark.parametrize("override, message", [
     ({"zero_stage": 5}, "train.zero_stage=5 is not a ZeRO stage"),
     ({"schedule": "exponential"}, "train.schedule='exponential' is unknown"),
-    ({"offload_params": True}, "train.offload_params needs train.zero_stage=3"),
+    ({"offload_params": True, "zero_stage": 1}, "train.offload_params needs train.zero_stage=3"),
     ({"offload_optimizer": True, "zero_stage": 0}, "train.offload_optimizer needs train.zero_stage 1, 2 or 3"),
     ({"wandb": "loud"}, "train.wandb='loud' is unknown"),
     ({"micro_batch_size": 0}, "train.micro_batch_size=0 must be at least 1"),

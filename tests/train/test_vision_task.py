@@ -3,12 +3,15 @@ trained (then the projector alone) with the language model frozen, on scikit-ima
 non-faces; the served model answers "face" / "not a face" for held-out images far above chance."""
 from __future__ import annotations
 
+import base64
 import json
 import time
 
+import httpx
 from safetensors import safe_open
 
 from tests.conftest import run_cli
+from tests.serve.conftest import ServerProcess
 
 MIN_ACCURACY = 0.75  # measured 0.87-0.9 (52-54 of 60); chance is 0.5
 
@@ -36,3 +39,27 @@ def test_vision_demo_learns_faces_with_the_language_model_frozen(tmp_path):
     assert changed(composed, tower) and all(n.startswith(("vision_tower.", "multi_modal_projector."))
                                             for n in changed(composed, tower))
     assert changed(tower, final) and all(n.startswith("multi_modal_projector.") for n in changed(tower, final))
+
+    # The served model: the server answers held-out images sent as data URLs as the engine did in the eval.
+    server = ServerProcess(tmp_path / "model", "serve.warm_up=false", "engine.num_blocks=256")
+    try:
+        server.wait_ready()
+        for answer in report["answers"][::10]:
+            image = base64.b64encode(open(answer["image"], "rb").read()).decode()
+            question = {"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{image}"}},
+                {"type": "text", "text": _question(tmp_path, answer["image"])}]}
+            reply = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+                "model": server.model_name, "messages": [question], "temperature": 0, "max_tokens": 8}).json()
+            assert reply["choices"][0]["message"]["content"].strip() == answer["reply"], (answer, reply)
+    finally:
+        server.stop()
+
+
+def _question(folder, image: str) -> str:
+    """The text of the held-out line whose image is `image`."""
+    for line in (folder / "data" / "heldout.jsonl").read_text().splitlines():
+        user = json.loads(line)["messages"][0]
+        if any(part["type"] == "image" and image.endswith(part["image"]) for part in user["content"]):
+            return "".join(part["text"] for part in user["content"] if part["type"] == "text")
+    raise AssertionError(f"{image} is not in the held-out lines")

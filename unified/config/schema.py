@@ -94,7 +94,9 @@ class LoraConfig:
 
 @dataclass
 class TrainConfig:
-    zero_stage: int = 1  # DeepSpeed ZeRO stage 0 (plain data parallel), 1, 2 or 3
+    # DeepSpeed ZeRO stage 0 (plain data parallel), 1, 2 or 3; None: 1 on several data-parallel ranks (or with
+    # optimizer offload), 0 on one, where partitioning saves nothing and its bookkeeping costs ~40% of a step.
+    zero_stage: Optional[int] = None
     offload_optimizer: bool = False  # ZeRO >= 1: optimizer state in CPU memory (DeepSpeed's CPU Adam)
     offload_params: bool = False  # ZeRO-3: parameters in CPU memory
     micro_batch_size: int = 4  # rows per rank per forward

@@ -82,11 +82,11 @@ TRAINABLE = ("all", "vision", "projector")
 
 def check_train_config(cfg: TrainConfig) -> None:
     """Every option a user can get wrong, checked before anything is loaded."""
-    if cfg.zero_stage not in (0, 1, 2, 3):
+    if cfg.zero_stage not in (None, 0, 1, 2, 3):
         raise UserError(f"train.zero_stage={cfg.zero_stage} is not a ZeRO stage; choose 0, 1, 2 or 3")
     if cfg.schedule not in ("cosine", "linear", "constant"):
         raise UserError(f"train.schedule={cfg.schedule!r} is unknown; choose cosine, linear or constant")
-    if cfg.offload_params and cfg.zero_stage != 3:
+    if cfg.offload_params and cfg.zero_stage not in (None, 3):
         raise UserError("train.offload_params needs train.zero_stage=3 (only ZeRO-3 partitions parameters)")
     if cfg.offload_optimizer and cfg.zero_stage == 0:
         raise UserError("train.offload_optimizer needs train.zero_stage 1, 2 or 3")
@@ -100,6 +100,13 @@ def check_train_config(cfg: TrainConfig) -> None:
     for name in ("micro_batch_size", "gradient_accumulation_steps", "seq_len", "epochs"):
         if getattr(cfg, name) < 1:
             raise UserError(f"train.{name}={getattr(cfg, name)} must be at least 1")
+
+
+def resolve_zero_stage(cfg: TrainConfig, dp_size: int) -> int:
+    """The ZeRO stage to run: the configured one, or by default 1 where there is something to partition."""
+    if cfg.zero_stage is not None:
+        return cfg.zero_stage
+    return 3 if cfg.offload_params else 1 if dp_size > 1 or cfg.offload_optimizer else 0
 
 
 def deepspeed_config(cfg: TrainConfig, dtype: torch.dtype, dp_size: int) -> dict:
@@ -118,8 +125,8 @@ def deepspeed_config(cfg: TrainConfig, dtype: torch.dtype, dp_size: int) -> dict
         "fp16": {"enabled": dtype == torch.float16},
         "steps_per_print": 1 << 30,
     }
-    if cfg.max_grad_norm > 0:
-        config["gradient_clipping"] = cfg.max_grad_norm
+    # Always explicit: DeepSpeed clips at 1.0 when the key is absent. fp32 without ZeRO: `micro_step` clips.
+    config["gradient_clipping"] = cfg.max_grad_norm if cfg.zero_stage != 0 or dtype != torch.float32 else 0.0
     if cfg.offload_optimizer:  # offloaded state is stepped by DeepSpeed's CPU Adam, which it builds itself
         config["optimizer"] = {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay}}
     return config
@@ -147,10 +154,27 @@ def initialize(model: CausalLM, cfg: TrainConfig, dtype: torch.dtype, dp_size: i
     return engine
 
 
-def micro_step(engine, batch: Batch, loss_scale: float) -> torch.Tensor:
-    """Forward and backward of one micro-batch; returns its unscaled token-loss sum."""
+def micro_step(engine, batch: Batch, loss_scale: float, max_grad_norm: float = 0.0) -> torch.Tensor:
+    """Forward and backward of one micro-batch, and the optimizer step at an accumulation boundary; returns
+    the micro-batch's unscaled token-loss sum."""
     loss_sum = engine(batch.input_ids, batch.positions, batch.targets, batch.segments, batch.pixel_values,
                       batch.image_grid_thw)
     engine.backward(loss_sum * loss_scale)
+    if max_grad_norm > 0 and not engine.gradient_clipping() and engine.is_gradient_accumulation_boundary():
+        engine.grad_norm = clip_gradients(engine, max_grad_norm)
     engine.step()
     return loss_sum.detach()
+
+
+def clip_gradients(engine, max_norm: float) -> float:
+    """Clips the (reduced) fp32 gradients to `max_norm` as DeepSpeed does without ZeRO, and returns their
+    norm before clipping, which its engine computes but does not keep in that case."""
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    return float(clip_grad_norm_(engine.module.parameters(), max_norm, mpu=MegatronGroups()))
+
+
+def grad_norm(engine) -> float | None:
+    """The last optimizer step's gradient norm before clipping (None when nothing clips at ZeRO stage 0)."""
+    norm = getattr(engine, "grad_norm", None) if engine.gradient_clipping() == 0 else engine.get_global_grad_norm()
+    return None if norm is None else float(norm)

@@ -19,7 +19,7 @@ import torch
 
 from unified.errors import UserError
 from unified.train import checkpoint
-from unified.train.engine import check_train_config
+from unified.train.engine import check_train_config, resolve_zero_stage
 from unified.train.packing import RowStream, collate
 from unified.train.progress import StepRecord, TrainLog
 
@@ -154,7 +154,7 @@ def train(cfg) -> TrainResult:
     from unified.checkpoint.hf_config import model_config_from_hf, read_hf_config
     from unified.runtime import start_runtime
     from unified.train.data import load_examples
-    from unified.train.engine import initialize, micro_step
+    from unified.train.engine import grad_norm, initialize, micro_step
 
     output = _check_run(cfg)
     tc = cfg.train
@@ -186,6 +186,7 @@ def train(cfg) -> TrainResult:
     rows_per_step = micro * dp * accumulation
     stream = RowStream(examples, tc.seq_len, tc.packing, tc.shuffle, cfg.seed)
     steps = cfg.steps or max(1, math.ceil(stream.rows_in_epochs(tc.epochs) / rows_per_step))
+    tc.zero_stage = resolve_zero_stage(tc, dp)
     engine = initialize(model, tc, runtime.dtype, dp, steps)
 
     output.mkdir(parents=True, exist_ok=True)
@@ -210,13 +211,11 @@ def train(cfg) -> TrainResult:
         for m in range(accumulation):
             mine = rows[(m * dp + dp_rank) * micro:(m * dp + dp_rank + 1) * micro]
             batch = collate(examples, mine, pad_id, cfg.parallel.tensor if tc.sequence_parallel else 1)
-            totals[0] += float(micro_step(engine, batch.to(runtime.device), loss_scale))
+            totals[0] += float(micro_step(engine, batch.to(runtime.device), loss_scale, tc.max_grad_norm))
             totals[1] += batch.num_tokens
         torch.distributed.all_reduce(totals, group=dp_group)
-        grad_norm = engine.get_global_grad_norm()
-        report.step(StepRecord(step + 1, float(totals[0]) / stream.num_targets(rows), lr,
-                               None if grad_norm is None else float(grad_norm), int(totals[1]),
-                               time.perf_counter() - began))
+        report.step(StepRecord(step + 1, float(totals[0]) / stream.num_targets(rows), lr, grad_norm(engine),
+                               int(totals[1]), time.perf_counter() - began))
         if tc.save_every and (step + 1) % tc.save_every == 0 and step + 1 < steps:
             checkpoint.save(engine, checkpoints, step + 1, runtime.accelerator, tc.keep_checkpoints, partial)
             report.plot()
