@@ -93,6 +93,12 @@ def test_playground_streams_a_chat_answer_and_shows_live_gauges(page, server):
     page.fill("#max-tokens", "24")
     page.fill("#temperature", "0")
     page.evaluate(OBSERVE)
+    # A tiny model on a quiet host answers within one network read; a slow link makes the stream arrive in
+    # pieces, as it does from a real model, so that the page's incremental rendering is what gets checked.
+    network = page.context.new_cdp_session(page)
+    network.send("Network.enable")
+    network.send("Network.emulateNetworkConditions",
+                 {"offline": False, "latency": 0, "downloadThroughput": 4000, "uploadThroughput": -1})
     page.fill("#prompt", "Tell me a short story about a cat.")
     page.click("#send")
 

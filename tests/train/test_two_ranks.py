@@ -52,7 +52,8 @@ def test_two_ranks_follow_the_one_rank_loss_curve(chat_checkpoint, data, one_ran
     assert want[-1].loss < 0.9 * want[0].loss  # it learns, so the comparison means something
     for a, b in zip(want, got):
         assert b.loss == pytest.approx(a.loss, rel=1e-5), f"step {a.step}"
-        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5), f"step {a.step}"
+        # One rank runs without ZeRO: its norm sums per-tensor squares, ZeRO's sums flat partitions (~1e-5 apart).
+        assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-4), f"step {a.step}"
         assert b.tokens == a.tokens
 
     import torch
