@@ -151,6 +151,8 @@ def initialize(model: CausalLM, cfg: TrainConfig, dtype: torch.dtype, dp_size: i
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, cfg))  # noqa: E731
     engine, *_ = deepspeed.initialize(model=wrapped, optimizer=optimizer, model_parameters=groups,
                                       lr_scheduler=schedule, config=config, mpu=MegatronGroups())
+    if cfg.zero_stage == 0 and dp_size == 1:  # one data-parallel rank: no gradient all-reduce (a flat copy for nothing)
+        engine.enable_backward_allreduce = False
     return engine
 
 
