@@ -75,12 +75,17 @@ def runtime():
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """tiny_checkpoint(family) -> folder with config.json + model.safetensors, made once per session."""
+    return _saved_once(tmp_path_factory, "tiny", build_tiny_hf_model)
+
+
+def _saved_once(tmp_path_factory, prefix: str, build):
+    """family -> a folder holding `build(family).save_pretrained(...)`, made the first time it is asked for."""
     made: dict[str, Path] = {}
 
     def make(family: str) -> Path:
         if family not in made:
-            path = tmp_path_factory.mktemp(f"tiny-{family}")
-            build_tiny_hf_model(family).save_pretrained(path)
+            path = tmp_path_factory.mktemp(f"{prefix}-{family}")
+            build(family).save_pretrained(path)
             made[family] = path
         return made[family]
 
@@ -133,16 +138,7 @@ def tiny_vl_checkpoint(tmp_path_factory):
     """tiny_vl_checkpoint(family) -> folder of a tiny random vision-language model (tests/vision_fixtures.py)."""
     from tests.vision_fixtures import build_tiny_vl_model
 
-    made: dict[str, Path] = {}
-
-    def make(family: str) -> Path:
-        if family not in made:
-            path = tmp_path_factory.mktemp(f"tiny-vl-{family}")
-            build_tiny_vl_model(family).save_pretrained(path)
-            made[family] = path
-        return made[family]
-
-    return make
+    return _saved_once(tmp_path_factory, "tiny-vl", build_tiny_vl_model)
 
 
 @pytest.fixture(scope="session")
