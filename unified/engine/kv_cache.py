@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import kernels
@@ -25,6 +26,19 @@ def kv_bits_of(kv_cache_dtype: str) -> int | None:
     if kv_cache_dtype not in KV_BITS:
         raise UserError(f"engine.kv_cache_dtype={kv_cache_dtype!r} is not supported; choose {', '.join(KV_BITS)}")
     return KV_BITS[kv_cache_dtype]
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache tensor. Attention reads whole blocks, past a sequence's last token too: those
+    slots are masked, but a masked NaN still poisons the sum (0 * NaN), so no slot may hold garbage. On
+    CPU the zeros come from calloc (numpy), whose fresh pages are committed only when first written, as
+    torch.empty's would be; torch.zeros would touch, and so commit, the whole budget at start."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    align = 64
+    raw = torch.from_numpy(np.zeros(math.prod(shape) * dtype.itemsize + align, dtype=np.uint8))
+    start = -raw.data_ptr() % align
+    return raw[start:start + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 @dataclass(frozen=True)
@@ -66,8 +80,7 @@ class KVCache:
         storage_dtype = dtype if self.bits is None else (torch.int8 if self.bits == 8 else torch.uint8)
         dim = kernels.packed_dim(self.shape.dim, self.bits)
         shape = (num_blocks, block_size, self.shape.heads, dim)
-        # torch.empty: pages are committed as they are written, and every slot is written before it is read.
-        self.values = [[torch.empty(shape, dtype=storage_dtype, device=device) for _ in range(self.shape.entries)]
+        self.values = [[zeroed(shape, storage_dtype, device) for _ in range(self.shape.entries)]
                        if i in layers else None for i in range(config.num_layers)]
         self.scales = [[self._scales(shape[:3], e, device) for e in range(self.shape.entries)] if i in layers else None
                        for i in range(config.num_layers)]
@@ -78,7 +91,7 @@ class KVCache:
         if self.bits is None:
             return None
         trailing, dtype = kernels.scale_layout(self.shape.dim, self.bits, self.shape.zero_point(entry, self.bits))
-        return torch.empty(shape + trailing, dtype=dtype, device=device)
+        return zeroed(shape + trailing, dtype, device)
 
     def reset_key_centres(self) -> None:
         """Lets the next keys written set each layer's int4 centre; only while no cached keys are in use."""
@@ -104,6 +117,14 @@ class PagedAttentionContext:
 
     def __init__(self, cache: KVCache, meta: StepMetadata):
         self.cache, self.meta = cache, meta
+        self._plans: dict[int | None, kernels.AttentionPlan] = {}  # by sliding window: the same for every layer
+
+    def _plan(self, sliding_window: int | None) -> kernels.AttentionPlan:
+        if sliding_window not in self._plans:
+            self._plans[sliding_window] = kernels.plan_paged_attention(
+                self.meta.block_tables, self.meta.query_start, self.meta.context_lens, self.cache.block_size,
+                sliding_window)
+        return self._plans[sliding_window]
 
     def _paged(self, layer: int, q: torch.Tensor, scale: float, sliding_window: int | None,
                v_dim: int | None) -> torch.Tensor:
@@ -112,7 +133,8 @@ class PagedAttentionContext:
         v_scale = scales[1] if len(scales) == 2 else None
         return kernels.paged_attention(q, values[0], v_cache, self.meta.block_tables, self.meta.query_start,
                                        self.meta.context_lens, scale, sliding_window=sliding_window,
-                                       k_scale=scales[0], v_scale=v_scale, kv_bits=self.cache.bits, v_head_dim=v_dim)
+                                       k_scale=scales[0], v_scale=v_scale, kv_bits=self.cache.bits, v_head_dim=v_dim,
+                                       plan=self._plan(sliding_window))
 
     def attend(self, layer, q, k, v, scale, sliding_window):
         values, scales, centres = self.cache.values[layer], self.cache.scales[layer], self.cache.key_centres

@@ -1,0 +1,108 @@
+"""kernels.paged_attention against attention computed directly on each sequence's own K/V (float64)."""
+import pytest
+import torch
+
+import kernels
+
+BLOCK, BLOCKS, KV_HEADS, Q_HEADS, DIM = 4, 48, 2, 6, 8
+
+
+def _cached_batch(context_lens: list[int], query_lens: list[int], dim_v: int | None, seed: int = 0):
+    """Random K/V for every context token, written through write_kv into scattered blocks."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.zeros(BLOCKS, BLOCK, KV_HEADS, DIM)
+    v_cache = None if dim_v is None else torch.zeros(BLOCKS, BLOCK, KV_HEADS, dim_v)
+    free = torch.randperm(BLOCKS, generator=g).tolist()
+    width = max(-(-n // BLOCK) for n in context_lens)
+    tables = torch.zeros(len(context_lens), width, dtype=torch.long)
+    keys, values = [], []
+    for s, n in enumerate(context_lens):
+        table = [free.pop() for _ in range(-(-n // BLOCK))]
+        tables[s, :len(table)] = torch.tensor(table)
+        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)])
+        keys.append(torch.randn(n, KV_HEADS, DIM, generator=g))
+        kernels.write_kv(k_cache, None, keys[-1], slots, None)
+        if v_cache is not None:
+            values.append(torch.randn(n, KV_HEADS, dim_v, generator=g))
+            kernels.write_kv(v_cache, None, values[-1], slots, None)
+        else:
+            values.append(keys[-1])
+    query_start = [0]
+    for n in query_lens:
+        query_start.append(query_start[-1] + n)
+    q = torch.randn(query_start[-1], Q_HEADS, DIM, generator=g)
+    return q, k_cache, v_cache, tables, query_start, keys, values
+
+
+def _direct(q, keys, values, query_start, context_lens, scale, window, dim_v):
+    out = []
+    group = Q_HEADS // KV_HEADS
+    for s, n in enumerate(context_lens):
+        k = keys[s].double().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        v = values[s][..., :dim_v].double().repeat_interleave(group, dim=1)
+        for row in range(query_start[s], query_start[s + 1]):
+            pos = n - (query_start[s + 1] - row)
+            seen = torch.arange(n)
+            visible = (seen <= pos) & ((seen > pos - window) if window else True)
+            scores = torch.einsum("hd,khd->hk", q[row].double(), k) * scale
+            weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+            out.append(torch.einsum("hk,khd->hd", weights, v))
+    return torch.stack(out).float()
+
+
+CASES = {
+    "decode": ([5, 1, 9, 16, 13], [1, 1, 1, 1, 1]),
+    "prefill": ([7, 12], [7, 5]),
+    "mixed": ([5, 1, 9, 13, 6], [1, 1, 4, 13, 1]),
+}
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_direct_attention(case, window):
+    context_lens, query_lens = CASES[case]
+    q, k_cache, v_cache, tables, query_start, keys, values = _cached_batch(context_lens, query_lens, DIM)
+    scale = DIM ** -0.5
+    out = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, context_lens, scale,
+                                  sliding_window=window)
+    expected = _direct(q, keys, values, query_start, context_lens, scale, window, DIM)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_latent_cache_reads_values_from_the_keys(case):
+    """MLA: no value cache; the values are the first v_head_dim channels of the cached latent."""
+    context_lens, query_lens = CASES[case]
+    q, k_cache, _, tables, query_start, keys, values = _cached_batch(context_lens, query_lens, None)
+    out = kernels.paged_attention(q, k_cache, None, tables, query_start, context_lens, 0.3, v_head_dim=5)
+    torch.testing.assert_close(out, _direct(q, keys, values, query_start, context_lens, 0.3, None, 5),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_a_plan_built_once_serves_every_layer():
+    context_lens, query_lens = CASES["mixed"]
+    q, k_cache, v_cache, tables, query_start, _, _ = _cached_batch(context_lens, query_lens, DIM)
+    plan = kernels.plan_paged_attention(tables, query_start, context_lens, BLOCK, sliding_window=3)
+    assert plan.decode_seqs == [0, 1, 4] and [s for s, _, _ in plan.prefills] == [2, 3]
+    for layer_seed in range(3):  # other layers: other caches, same tables
+        q, k_cache, v_cache, *_ = _cached_batch(context_lens, query_lens, DIM, seed=layer_seed)
+        planned = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, context_lens, 0.5,
+                                          sliding_window=3, plan=plan)
+        fresh = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, context_lens, 0.5, sliding_window=3)
+        assert torch.equal(planned, fresh)
+
+
+def test_engine_caches_start_zeroed_without_committing_their_pages():
+    """Decodes read whole blocks (masked past each sequence's end), so never-written slots must be finite."""
+    from unified.engine.kv_cache import zeroed
+
+    def rss_mb():
+        return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) // 1024
+
+    before = rss_mb()
+    cache = zeroed((2048, 16, 8, 1024), torch.float32, torch.device("cpu"))  # 1 GiB
+    assert rss_mb() - before < 64  # committed as written, like torch.empty
+    assert cache.data_ptr() % 64 == 0 and cache.is_contiguous()
+    assert not cache[::97].any() and not cache[-1].any()
+    for dtype in (torch.bfloat16, torch.uint8, torch.int8, torch.float16):
+        assert not zeroed((3, 16, 2, 5), dtype, torch.device("cpu")).any()
