@@ -3,8 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
 from tests.engine.conftest import assert_no_block_leaks, make_engine, run_teacher_forced
+from unified import kernels
 from unified.checkpoint import load_model
 from unified.engine.kv_cache import CacheShape
 

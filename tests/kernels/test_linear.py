@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+from unified import kernels
 
 
 @pytest.mark.parametrize("rows", [1, 16, 64, 300])

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-import kernels
+from unified import kernels
 
 BLOCK, BLOCKS, KV_HEADS, Q_HEADS, DIM = 4, 48, 2, 6, 8
 

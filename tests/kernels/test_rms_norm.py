@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kernels import rms_norm, rms_norm_reference
+from unified.kernels import rms_norm, rms_norm_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

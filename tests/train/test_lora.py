@@ -171,7 +171,7 @@ def test_merged_weights_give_the_unmerged_logits(family, runtime, tiny_checkpoin
 
 
 def test_merging_refreshes_packed_inference_weights(runtime, tiny_checkpoint):
-    from kernels.linear import PACKED_MIN_ROWS, packing_available
+    from unified.kernels.linear import PACKED_MIN_ROWS, packing_available
 
     loaded, _ = _adapted("llama", tiny_checkpoint)
     model = loaded.model

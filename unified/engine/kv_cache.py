@@ -3,7 +3,7 @@
 Per layer: K and V caches [num_blocks, block_size, kv_heads, head_dim] for GQA, or one latent cache
 [num_blocks, block_size, 1, kv_lora_rank + rope_dim] for MLA. Quantised caches store int8 values plus
 one fp32 scale per token per head, or int4 values packed two per byte plus an fp16 scale per 32
-channels (kernels/kv_quant.py). int4 GQA keys also keep an fp16 zero per 32 channels and are centred on
+channels (unified/kernels/kv_quant.py). int4 GQA keys also keep an fp16 zero per 32 channels and are centred on
 a per-layer constant, the mean of the first keys the layer writes: any constant is exact for attention,
 and this one removes the large per-channel offset that would otherwise take most of the int4 range.
 """
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-import kernels
+from unified import kernels
 from unified.errors import UserError
 from unified.model.config import ModelConfig
 
@@ -65,7 +65,7 @@ class CacheShape:
         return num_layers * self.heads * per_head
 
     def zero_point(self, entry: int, bits: int | None) -> bool:
-        """int4 GQA keys (entry 0 of 2) are centred and asymmetric; see kernels/kv_quant.py."""
+        """int4 GQA keys (entry 0 of 2) are centred and asymmetric; see unified/kernels/kv_quant.py."""
         return bits == 4 and self.entries == 2 and entry == 0
 
 

@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-import kernels
+from unified import kernels
 
 
 class RMSNorm(nn.Module):

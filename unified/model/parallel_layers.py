@@ -26,7 +26,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
 )
 
-import kernels
+from unified import kernels
 from unified.model import sequence_parallel
 from unified.runtime.comm import collective
 

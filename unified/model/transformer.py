@@ -13,8 +13,7 @@ import torch.utils.checkpoint
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from torch import nn
 
-import kernels
-
+from unified import kernels
 from unified.model.attention import GQAttention
 from unified.model.config import ModelConfig
 from unified.model.forward_context import recompute_contexts

@@ -11,8 +11,8 @@ sequences in the batch, never the whole cache: all one-token (decode) queries go
 gather of their blocks, padded to the longest context, and one masked SDPA; each multi-token (prefill)
 chunk gathers its own blocks and runs one SDPA. Decodes read whole blocks and mask the slots past each
 sequence's end, so those slots must hold finite values (a masked NaN still gives 0 * NaN): caches start
-zeroed. Quantised caches (int8/int4, see kernels/kv_quant.py) are dequantised right after the gather;
-int4 keys come back shifted by their cache's constant centre, which leaves the softmax unchanged.
+zeroed. Quantised caches (int8/int4, see kv_quant.py) are dequantised right after the gather; int4 keys
+come back shifted by their cache's constant centre, which leaves the softmax unchanged.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import dequantize_kv, quantize_kv
+from unified.kernels.kv_quant import dequantize_kv, quantize_kv
 
 
 def _select(cache: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, bits: int | None,
