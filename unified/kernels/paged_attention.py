@@ -56,7 +56,7 @@ class AttentionPlan:
     decode_rows: torch.Tensor | None  # rows of q that decode; None when every row does
     decode_seqs: list[int]
     blocks: torch.Tensor  # [D * W]: the W first blocks of each decoding sequence
-    visible: torch.Tensor  # [D, 1, 1, W * block_size]: positions each decode attends to
+    visible: torch.Tensor  # [D, 1, 1, L]: which of the first L (longest context) positions each decode sees
     prefills: list[tuple[int, int, int]]  # (sequence, first query row, end row) of multi-token chunks
 
 
@@ -71,9 +71,9 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
     lens = [context_lens[s] for s in decodes]
     width = -(-max(lens) // block_size)
     tables = block_tables if len(decodes) == len(spans) else block_tables[torch.tensor(decodes, device=device)]
-    k_pos = torch.arange(width * block_size, device=device)[None, :]
+    k_pos = torch.arange(max(lens), device=device)[None, :]
     lens_t = torch.tensor(lens, device=device)[:, None]
-    visible = k_pos < lens_t  # [D, W * block_size]
+    visible = k_pos < lens_t  # [D, L]
     if sliding_window is not None:
         visible &= k_pos >= lens_t - sliding_window
     rows = None if not prefills else torch.tensor([query_start[s] for s in decodes], device=device)
@@ -83,13 +83,13 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
 def _decode_batch(q: torch.Tensor, k_cache, v_cache, k_scale, v_scale, plan: AttentionPlan, scale: float,
                   kv_bits: int | None, dv: int) -> torch.Tensor:
     """One query per sequence, reading whole blocks (one gather each for K and V; positions past a
-    sequence's length are masked). q: [S, Hq, Dk] -> [S, Hq, Dv]."""
+    sequence's length are masked, those past the longest not attended at all). q: [S, Hq, Dk] -> [S, Hq, Dv]."""
     seqs, q_heads, _ = q.shape
     length = plan.visible.shape[-1]
 
     def gather(cache, scale_cache):
         x = _select(cache, scale_cache, plan.blocks, kv_bits, q.dtype)  # [S * W, block_size, Hkv, D]
-        return x.view(seqs, length, *x.shape[2:]).transpose(1, 2)  # [S, Hkv, L, D]
+        return x.view(seqs, -1, *x.shape[2:])[:, :length].transpose(1, 2)  # [S, Hkv, L, D]
 
     k = gather(k_cache, k_scale)
     v = k[..., :dv] if v_cache is None else gather(v_cache, v_scale)
