@@ -83,7 +83,7 @@ def test_a_plan_built_once_serves_every_layer():
     context_lens, query_lens = CASES["mixed"]
     q, k_cache, v_cache, tables, query_start, _, _ = _cached_batch(context_lens, query_lens, DIM)
     plan = kernels.plan_paged_attention(tables, query_start, context_lens, BLOCK, sliding_window=3)
-    assert plan.decode_seqs == [0, 1, 4] and [s for s, _, _ in plan.prefills] == [2, 3]
+    assert plan.decode_seqs == [0, 1, 4] and [s for s, *_ in plan.prefills] == [2, 3]
     for layer_seed in range(3):  # other layers: other caches, same tables
         q, k_cache, v_cache, *_ = _cached_batch(context_lens, query_lens, DIM, seed=layer_seed)
         planned = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, context_lens, 0.5,

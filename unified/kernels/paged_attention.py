@@ -50,14 +50,15 @@ def _mask(q_len: int, ctx_len: int, sliding_window: int | None, device) -> torch
 @dataclass(frozen=True)
 class AttentionPlan:
     """What every layer of one step shares (per sliding window): which query rows are one-token decodes, the
-    blocks those sequences read and which of the gathered positions each may see. Built once per step, so
-    the layers only gather and attend."""
+    blocks those sequences read, which of the gathered positions each may see, and each prefill chunk's
+    mask. Built once per step, so the layers only gather and attend."""
 
     decode_rows: torch.Tensor | None  # rows of q that decode; None when every row does
     decode_seqs: list[int]
     blocks: torch.Tensor  # [D * W]: the W first blocks of each decoding sequence
     visible: torch.Tensor  # [D, 1, 1, L]: which of the first L (longest context) positions each decode sees
-    prefills: list[tuple[int, int, int]]  # (sequence, first query row, end row) of multi-token chunks
+    # (sequence, first query row, end row, causal/window mask or None) of each multi-token chunk
+    prefills: list[tuple[int, int, int, torch.Tensor | None]]
 
 
 def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], context_lens: list[int],
@@ -65,7 +66,8 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
     device = block_tables.device
     spans = [(s, query_start[s], query_start[s + 1]) for s in range(len(context_lens))]
     decodes = [s for s, start, end in spans if end - start == 1]
-    prefills = [span for span in spans if span[2] - span[1] > 1]
+    prefills = [(s, start, end, _mask(end - start, context_lens[s], sliding_window, device))
+                for s, start, end in spans if end - start > 1]
     if not decodes:
         return AttentionPlan(None, [], block_tables.new_empty(0), torch.empty(0, dtype=torch.bool), prefills)
     lens = [context_lens[s] for s in decodes]
@@ -117,15 +119,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if plan.decode_seqs:  # decodes mixed with prefill chunks
         out[plan.decode_rows] = _decode_batch(q[plan.decode_rows], k_cache, v_cache, k_scale, v_scale, plan, scale,
                                               kv_bits, dv)
-    for s, start, end in plan.prefills:
+    for s, start, end, mask in plan.prefills:
         ctx_len = context_lens[s]
         blocks = block_tables[s, : -(-ctx_len // block_size)]
         k = _gather(k_cache, k_scale, blocks, ctx_len, kv_bits, q.dtype)  # [ctx, Hkv, Dk]
         v = k[..., :dv] if v_cache is None else _gather(v_cache, v_scale, blocks, ctx_len, kv_bits, q.dtype)
         qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, Dk]
         attn = F.scaled_dot_product_attention(
-            qs, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-            attn_mask=_mask(end - start, ctx_len, sliding_window, q.device), scale=scale,
+            qs, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
             enable_gqa=k.shape[1] != q.shape[1])
         out[start:end] = attn[0].transpose(0, 1)
     return out
