@@ -96,8 +96,7 @@ def main() -> None:
         peer = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     model, image_token = loaded.model, loaded.config.image_token_id
     tower_params = sum(p.numel() for p in model.vision.parameters())
-    engine = LLMEngine(model, None, EngineConfig(num_blocks=2048, block_size=16, max_num_batched_tokens=8192,
-                                                 packed_weights=False),
+    engine = LLMEngine(model, None, EngineConfig(num_blocks=2048, block_size=16, max_num_batched_tokens=8192),
                        torch.device("cpu"), torch.float32, None, set(), processor)
     params = SamplingParams(max_tokens=1, ignore_eos=True)
 

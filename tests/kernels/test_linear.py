@@ -3,23 +3,28 @@ import torch
 import torch.nn.functional as F
 
 from unified import kernels
+from unified.kernels.linear import uses_onednn
 
 
-@pytest.mark.parametrize("rows", [1, 16, 64, 300])
-def test_packed_linear_matches_f_linear(rows):
+@pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48), (2, 17, 48), (300, 48), (0, 48)])
+def test_inference_linear_matches_f_linear(shape):
     weight, bias = torch.randn(96, 48), torch.randn(96)
-    packed = kernels.pack_linear_weight(weight, 64)
-    if packed is None:
-        pytest.skip("MKL packing is not available in this torch build")
-    x = torch.randn(1, rows, 48)
+    x = torch.randn(*shape)
     with torch.inference_mode():
-        torch.testing.assert_close(kernels.linear(x, weight, bias, (packed, 64)), F.linear(x, weight, bias))
+        assert uses_onednn(x, weight) == torch.backends.mkldnn.is_available()
+        for b in (bias, None):
+            torch.testing.assert_close(kernels.linear(x, weight, b), F.linear(x, weight, b))
 
 
-def test_training_never_uses_the_packed_copy():
+def test_strided_operands():
+    weight, x = torch.randn(96, 100)[:, :48], torch.randn(8, 100)[:, 52:]  # views into wider rows
+    with torch.no_grad():
+        torch.testing.assert_close(kernels.linear(x, weight), F.linear(x, weight))
+
+
+def test_training_gets_gradients():
     weight = torch.randn(8, 4, requires_grad=True)
-    packed = kernels.pack_linear_weight(weight, 64)
     x = torch.randn(32, 4)
-    out = kernels.linear(x, weight, None, None if packed is None else (packed, 64))
-    out.sum().backward()
+    assert not uses_onednn(x, weight)
+    kernels.linear(x, weight).sum().backward()
     torch.testing.assert_close(weight.grad, x.sum(0).expand(8, 4))

@@ -1,5 +1,5 @@
 """LoRA on the shared model against peft on the transformers model of the same checkpoint, merged against
-unmerged (plain forward, packed inference weights, the engine), and under tensor parallel 2 against one rank."""
+unmerged (plain forward and the engine), and under tensor parallel 2 against one rank."""
 from __future__ import annotations
 
 import json
@@ -168,20 +168,6 @@ def test_merged_weights_give_the_unmerged_logits(family, runtime, tiny_checkpoin
     exported = AutoModelForCausalLM.from_pretrained(export_hf(loaded, tmp_path), dtype=torch.float32).eval()
     with torch.no_grad():
         assert _cosine(exported(IDS).logits, unmerged) >= 0.99999
-
-
-def test_merging_refreshes_packed_inference_weights(runtime, tiny_checkpoint):
-    from unified.kernels.linear import PACKED_MIN_ROWS, packing_available
-
-    loaded, _ = _adapted("llama", tiny_checkpoint)
-    model = loaded.model
-    if not packing_available(model.layers["0"].attn.qkv_proj.weight):
-        pytest.skip("no packed linear weights on this machine")
-    model.pack_weights(32)
-    ids = torch.randint(0, 160, (1, 2 * PACKED_MIN_ROWS), generator=torch.Generator().manual_seed(3))
-    unmerged = _logits(model, ids)  # base matmuls through the packed copies, adapters beside them
-    merge_lora(model)
-    torch.testing.assert_close(_logits(model, ids), unmerged, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("family,targets", [

@@ -39,7 +39,6 @@ class EngineConfig:
     kv_cache_memory_fraction: float = 0.5  # of the memory free after weights and a warm-up pass
     num_blocks: Optional[int] = None  # fixes the cache size in blocks, overriding both budgets
     max_model_len: Optional[int] = None  # None: the model's context length
-    packed_weights: bool = True  # CPU: keep MKL-packed weight copies (faster batched matmuls, more memory)
     lora_adapter: Optional[str] = None  # a LoRA adapter folder (ours or peft's) served unmerged on the base model
     image_cache_bytes: int = 256 * 2 ** 20  # vision-tower outputs kept by image content hash (LRU)
     # Encode the images of requests about to run while the current step's forward is in flight (on a side

@@ -26,6 +26,7 @@ from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
 from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
 from unified.errors import UserError
+from unified.runtime.host_memory import retain_freed_host_memory
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,8 @@ class LLMEngine:
         self.config = model.config
         self.device, self.dtype = device, dtype
         self.eos_token_ids = set(eos_token_ids or ())
-        if engine_cfg.packed_weights:
-            model.pack_weights(engine_cfg.max_num_seqs)
+        if device.type == "cpu":
+            retain_freed_host_memory()  # steps would otherwise fault their activations in afresh
         self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes, accelerator, engine_cfg.image_prefetch)
         self.is_driver = torch.distributed.get_rank() == 0
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -215,8 +216,6 @@ class LLMEngine:
             if failed:
                 raise WeightMismatch(f"the served weights were kept: {'; '.join(failed)}")
         copy_weights(self.model, staged)
-        if self.cfg.packed_weights:
-            self.model.pack_weights(self.cfg.max_num_seqs)
         self.blocks.reset_prefix_cache()
         self.runner.encoder_cache.clear()  # the vision tower may have changed too
         for request in self.requests.values():

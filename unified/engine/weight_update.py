@@ -4,8 +4,8 @@
 checkpoint's architecture is the served one, field by field, before reading any tensor, then reads this
 rank's shard into host memory, so a big model never holds two copies on the accelerator. The engine
 then copies the staged tensors into its own parameters in place between two steps (see
-`LLMEngine.update_weights`): storage stays where it is, so the KV cache, packed copies and anything
-else sized from the model stay valid, and re-packing refreshes the packed copies.
+`LLMEngine.update_weights`): storage stays where it is, so the KV cache and anything else sized from the
+model stay valid.
 """
 from __future__ import annotations
 

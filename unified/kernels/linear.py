@@ -1,33 +1,28 @@
-"""Linear layers for inference, with MKL's pre-packed weights on CPU.
+"""Linear layers, through oneDNN's matmul for CPU inference.
 
-MKL re-packs the weight matrix inside every sgemm call; packing it once (`cblas_sgemm_pack`, exposed
-as `torch.ops.mkl._mkl_reorder_linear_weight`) makes a 64-row decode step's matmuls ~25% faster on
-our CPU, with bit-identical results. Packed weights are for inference only (no autograd), and they
-are a copy: whoever changes the weights must pack again. For a handful of rows the plain path is as
-fast, so it is used there.
+On CPU, in float32 and with no gradient wanted, `linear` calls oneDNN's matmul
+(`torch.ops.mkldnn._linear_pointwise`, the op PyTorch's compiler emits for CPU linears; vLLM's CPU
+backend also runs its linears through oneDNN) instead of F.linear's MKL sgemm. On our AMD EPYC (AVX2)
+it makes whole engine steps ~10% faster (64-sequence decode, 2048-token prefill chunks and batch-1
+decode alike) and the wide LM-head matmul up to 1.8x, reading the weight as it is: no packed copy to
+hold in memory or to refresh when the weights change. Results differ from F.linear by rounding only.
+Training (autograd) and other dtypes and devices use F.linear.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-PACKED_MIN_ROWS = 16
+_ONEDNN = torch.backends.mkldnn.is_available()
 
 
-def packing_available(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkl.is_available()
+def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (_ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+            and not torch.is_grad_enabled())
 
 
-def pack_linear_weight(weight: torch.Tensor, rows: int) -> torch.Tensor | None:
-    """weight [out, in] -> MKL's packed copy tuned for `rows`-row inputs, or None where unavailable."""
-    if not packing_available(weight):
-        return None
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           packed: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
-    """F.linear, through the packed weight `(packed, rows)` when there is one and no gradient is needed."""
-    if packed is not None and not torch.is_grad_enabled() and x.numel() // x.shape[-1] >= PACKED_MIN_ROWS:
-        return torch.ops.mkl._mkl_linear(x, packed[0], weight, bias, packed[1])
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear: x [..., in] @ weight [out, in].T + bias."""
+    if uses_onednn(x, weight):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

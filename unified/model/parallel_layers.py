@@ -6,8 +6,8 @@ for CUDA-only extras (async all-reduce, fused gradient accumulation) that comput
 `matmul(x, W.t())`; on CPU that costs a few percent more than `F.linear` for a 128-token prefill and
 1.7-3.5x more per one-token decode call (bench/forward.py prints both). So we keep
 megatron's parameters, sharding and autograd communication mappings (copy-to / reduce-from the
-tensor-parallel region) and do the matmul with `F.linear`. Parameters are allocated with
-`use_cpu_initialization`, which creates them on the current default device (the `torch.device`
+tensor-parallel region) and do the matmul with `kernels.linear` (F.linear, or oneDNN for CPU
+inference). Parameters are allocated with `use_cpu_initialization`, which creates them on the current default device (the `torch.device`
 context), so one code path builds a model on cpu, cuda, musa or meta. Weights come from a checkpoint,
 so megatron's random initialisation is skipped unless asked for.
 
@@ -60,17 +60,7 @@ def _mark_split(weight: torch.Tensor, dim: int) -> None:
     set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
-class PackableWeight:
-    """An inference engine may attach a pre-packed copy of the weight (see kernels.linear)."""
-
-    packed_weight: tuple[torch.Tensor, int] | None = None
-
-    def pack(self, rows: int) -> None:
-        packed = kernels.pack_linear_weight(self.weight, rows)
-        self.packed_weight = None if packed is None else (packed, rows)
-
-
-class ColumnLinear(PackableWeight, ColumnParallelLinear):
+class ColumnLinear(ColumnParallelLinear):
     """Output features split across tensor-parallel ranks; output stays split."""
 
     def __init__(self, in_features: int, out_features: int, config: ModelParallelConfig, bias: bool = False):
@@ -86,7 +76,7 @@ class ColumnLinear(PackableWeight, ColumnParallelLinear):
             inp = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
         else:
             inp = x
-        y = kernels.linear(inp, self.weight, self.bias, self.packed_weight)  # backward: inp's grads all-reduced
+        y = kernels.linear(inp, self.weight, self.bias)  # backward: inp's grads all-reduced
         return y if self.lora is None else y + self.lora(x)
 
     def effective_weight(self) -> torch.Tensor:
@@ -95,7 +85,7 @@ class ColumnLinear(PackableWeight, ColumnParallelLinear):
         return self.weight if self.lora is None else self.weight + self.lora.delta_weight().to(self.weight.dtype)
 
 
-class RowLinear(PackableWeight, RowParallelLinear):
+class RowLinear(RowParallelLinear):
     """Input features split across tensor-parallel ranks; output all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, config: ModelParallelConfig, bias: bool = False):
@@ -105,7 +95,7 @@ class RowLinear(PackableWeight, RowParallelLinear):
         self.lora: torch.nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.linear(x, self.weight, None, self.packed_weight)
+        y = kernels.linear(x, self.weight)
         if sequence_parallel.active():
             y = sequence_parallel.reduce_scatter(y, self.tp_group)
         elif self.tp_group.size() > 1:

@@ -41,7 +41,7 @@ from torch import nn
 from unified.checkpoint.hf_names import Param, parameter_map
 from unified.checkpoint.loader import _gather_part, _read_part, _tp_rank_size
 from unified.errors import UserError
-from unified.model.parallel_layers import ColumnLinear, PackableWeight, RowLinear, _mark_split
+from unified.model.parallel_layers import ColumnLinear, RowLinear, _mark_split
 from unified.runtime.comm import collective
 
 log = logging.getLogger(__name__)
@@ -239,15 +239,13 @@ def apply_lora(model: nn.Module, cfg) -> list[nn.Parameter]:
 
 
 def merge_lora(model: nn.Module) -> int:
-    """Folds every adapter into its base weight and removes it (base parameters stay frozen); refreshes
-    the inference engine's packed weight copies. Returns how many linears were merged."""
+    """Folds every adapter into its base weight and removes it (base parameters stay frozen). Returns how
+    many linears were merged."""
     adapted = _adapted(model)
     with torch.no_grad():
         for host in adapted:
             host.weight.add_(host.lora.delta_weight().to(host.weight.dtype))
             _detach(host)
-            if isinstance(host, PackableWeight) and host.packed_weight is not None:
-                host.pack(host.packed_weight[1])  # the packed copy is of the weight before the merge
     return len(adapted)
 
 
