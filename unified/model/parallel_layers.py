@@ -7,9 +7,9 @@ for CUDA-only extras (async all-reduce, fused gradient accumulation) that comput
 1.7-3.5x more per one-token decode call (bench/forward.py prints both). So we keep
 megatron's parameters, sharding and autograd communication mappings (copy-to / reduce-from the
 tensor-parallel region) and do the matmul with `kernels.linear` (F.linear, or oneDNN for CPU
-inference). Parameters are allocated with `use_cpu_initialization`, which creates them on the current default device (the `torch.device`
-context), so one code path builds a model on cpu, cuda, musa or meta. Weights come from a checkpoint,
-so megatron's random initialisation is skipped unless asked for.
+inference). Parameters are allocated with `use_cpu_initialization`, which creates them on the current
+default device (the `torch.device` context), so one code path builds a model on cpu, cuda, musa or
+meta. Weights come from a checkpoint, so megatron's random initialisation is skipped unless asked for.
 
 Column and row linears carry an optional `lora` adapter (unified.train.lora) whose output is added to
 theirs. It receives the layer's own input (before the column layer's copy-to-region) and does its own
