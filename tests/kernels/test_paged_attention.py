@@ -1,8 +1,16 @@
-"""kernels.paged_attention against attention computed directly on each sequence's own K/V (float64)."""
+"""kernels.paged_attention against attention computed directly on each sequence's own K/V (float64), on
+both CPU decode paths: the C++ kernel that reads the cache in place and the plain-PyTorch gather + SDPA."""
+import importlib
+import os
+
 import pytest
 import torch
 
 from unified import kernels
+from unified.kernels import cpu_ops
+
+# The module, not the function of the same name that unified.kernels exports.
+paged_attention_module = importlib.import_module("unified.kernels.paged_attention")
 
 BLOCK, BLOCKS, KV_HEADS, Q_HEADS, DIM = 4, 48, 2, 6, 8
 
@@ -57,6 +65,17 @@ CASES = {
 }
 
 
+@pytest.fixture(params=["cpu-kernel", "pytorch"], autouse=True)
+def decode_path(request, monkeypatch):
+    if request.param == "pytorch":
+        monkeypatch.setattr(paged_attention_module, "_cpu_decode_kernel_applies", lambda *args: False)
+    elif os.environ.get("UNIFIED_CPU_KERNELS") == "0":
+        pytest.skip("UNIFIED_CPU_KERNELS=0")
+    else:
+        assert cpu_ops.available(), "the C++ CPU kernels failed to build; see the warning logged above"
+    return request.param
+
+
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_direct_attention(case, window):
@@ -90,6 +109,27 @@ def test_a_plan_built_once_serves_every_layer():
                                           sliding_window=3, plan=plan)
         fresh = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, context_lens, 0.5, sliding_window=3)
         assert torch.equal(planned, fresh)
+
+
+def test_decode_kernel_at_model_sizes_matches_the_reference(decode_path):
+    """SmolLM2-like heads (9 query heads on 3 KV heads, dim 64), 16-token blocks, lengths not block-aligned."""
+    if decode_path == "pytorch":
+        pytest.skip("compares the two paths")
+    g = torch.Generator().manual_seed(1)
+    block, lens = 16, [1, 17, 200, 63, 128]
+    width = -(-max(lens) // block)
+    k_cache, v_cache = torch.randn(2, 90, block, 3, 64, generator=g).unbind(0)
+    tables = torch.randperm(90, generator=g)[:len(lens) * width].view(len(lens), width)
+    q = torch.randn(len(lens), 9, 64, generator=g)
+    query_start = list(range(len(lens) + 1))
+    assert paged_attention_module._cpu_decode_kernel_applies(q, k_cache, v_cache, None)
+    for window in (None, 50):
+        kernel = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, lens, 0.125, sliding_window=window)
+        plan = kernels.plan_paged_attention(tables, query_start, lens, block, window)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(paged_attention_module, "_cpu_decode_kernel_applies", lambda *args: False)
+            reference = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, lens, 0.125, plan=plan)
+        torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
 
 
 def test_engine_caches_start_zeroed_without_committing_their_pages():

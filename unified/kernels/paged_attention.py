@@ -6,10 +6,13 @@ of its `context_lens[s]` tokens (their K/V already written to the cache). Attent
 optionally limited to a sliding window. With `v_cache=None` the values are the first `v_head_dim`
 channels of the keys (MLA's absorbed latent cache).
 
-This plain-PyTorch version is the reference and the CPU path. It reads only the blocks of the
-sequences in the batch, never the whole cache: all one-token (decode) queries go through a single
-gather of their blocks, padded to the longest context, and one masked SDPA; each multi-token (prefill)
-chunk gathers its own blocks and runs one SDPA. Decodes read whole blocks and mask the slots past each
+This plain-PyTorch version is the reference and the path on every device. It reads only the blocks
+of the sequences in the batch, never the whole cache: all one-token (decode) queries go through a
+single gather of their blocks, padded to the longest context, and one masked SDPA; each multi-token
+(prefill) chunk gathers its own blocks and runs one SDPA. On CPU, float32 decodes over unquantised
+caches instead go through a C++ kernel (csrc/paged_decode_cpu.cpp) that reads the rows in place
+through the block tables, with no gathered copy: about 1.9x faster than gather + SDPA for 64
+SmolLM2 sequences of ~200 tokens. Decodes read whole blocks and mask the slots past each
 sequence's end, so those slots must hold finite values (a masked NaN still gives 0 * NaN): caches start
 zeroed. Quantised caches (int8/int4, see kv_quant.py) are dequantised right after the gather; int4 keys
 come back shifted by their cache's constant centre, which leaves the softmax unchanged.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from unified.kernels import cpu_ops
 from unified.kernels.kv_quant import dequantize_kv, quantize_kv
 
 
@@ -55,8 +59,10 @@ class AttentionPlan:
 
     decode_rows: torch.Tensor | None  # rows of q that decode; None when every row does
     decode_seqs: list[int]
-    blocks: torch.Tensor  # [D * W]: the W first blocks of each decoding sequence
+    tables: torch.Tensor  # [D, W]: the W first blocks of each decoding sequence
+    decode_lens: torch.Tensor  # [D] int64: each decoding sequence's context length
     visible: torch.Tensor  # [D, 1, 1, L]: which of the first L (longest context) positions each decode sees
+    sliding_window: int | None
     # (sequence, first query row, end row, causal/window mask or None) of each multi-token chunk
     prefills: list[tuple[int, int, int, torch.Tensor | None]]
 
@@ -69,7 +75,8 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
     prefills = [(s, start, end, _mask(end - start, context_lens[s], sliding_window, device))
                 for s, start, end in spans if end - start > 1]
     if not decodes:
-        return AttentionPlan(None, [], block_tables.new_empty(0), torch.empty(0, dtype=torch.bool), prefills)
+        empty = block_tables.new_empty(0)
+        return AttentionPlan(None, [], empty, empty, torch.empty(0, dtype=torch.bool), sliding_window, prefills)
     lens = [context_lens[s] for s in decodes]
     width = -(-max(lens) // block_size)
     tables = block_tables if len(decodes) == len(spans) else block_tables[torch.tensor(decodes, device=device)]
@@ -79,18 +86,28 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
     if sliding_window is not None:
         visible &= k_pos >= lens_t - sliding_window
     rows = None if not prefills else torch.tensor([query_start[s] for s in decodes], device=device)
-    return AttentionPlan(rows, decodes, tables[:, :width].flatten(), visible[:, None, None, :], prefills)
+    return AttentionPlan(rows, decodes, tables[:, :width].contiguous(), lens_t[:, 0], visible[:, None, None, :],
+                         sliding_window, prefills)
+
+
+def _cpu_decode_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+                               kv_bits: int | None) -> bool:
+    return (q.device.type == "cpu" and kv_bits is None and q.dtype == k_cache.dtype == torch.float32
+            and (v_cache is None or v_cache.dtype == torch.float32) and cpu_ops.available())
 
 
 def _decode_batch(q: torch.Tensor, k_cache, v_cache, k_scale, v_scale, plan: AttentionPlan, scale: float,
                   kv_bits: int | None, dv: int) -> torch.Tensor:
     """One query per sequence, reading whole blocks (one gather each for K and V; positions past a
     sequence's length are masked, those past the longest not attended at all). q: [S, Hq, Dk] -> [S, Hq, Dv]."""
+    if _cpu_decode_kernel_applies(q, k_cache, v_cache, kv_bits):
+        return torch.ops.unified_cpu.paged_decode(q.contiguous(), k_cache, v_cache, plan.tables, plan.decode_lens,
+                                                  scale, plan.sliding_window or 0, dv)
     seqs, q_heads, _ = q.shape
     length = plan.visible.shape[-1]
 
     def gather(cache, scale_cache):
-        x = _select(cache, scale_cache, plan.blocks, kv_bits, q.dtype)  # [S * W, block_size, Hkv, D]
+        x = _select(cache, scale_cache, plan.tables.flatten(), kv_bits, q.dtype)  # [S * W, block_size, Hkv, D]
         return x.view(seqs, -1, *x.shape[2:])[:, :length].transpose(1, 2)  # [S, Hkv, L, D]
 
     k = gather(k_cache, k_scale)

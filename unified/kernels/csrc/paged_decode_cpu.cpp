@@ -1,0 +1,109 @@
+// Decode attention over a paged KV cache on CPU: one query token per sequence, reading each sequence's
+// K/V rows in place through its block table (no gathered copy of the context), fp32.
+// The plain-PyTorch reference is unified/kernels/paged_attention.py (_decode_batch); tests compare the two.
+//
+// Built at first use by unified/kernels/cpu_ops.py with CPU_CAPABILITY set to what ATen dispatches to on
+// this machine (AVX2 or AVX512), so at::vec::Vectorized<float> is that width.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc(0.f);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  float out = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
+  for (; d < n; ++d) out += a[d] * b[d];
+  return out;
+}
+
+inline void add_scaled(float p, const float* x, float* y, int64_t n) {  // y += p * x
+  const Vec pv(p);
+  int64_t d = 0;
+  for (; d + Vec::size() <= n; d += Vec::size()) at::vec::fmadd(pv, Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
+  for (; d < n; ++d) y[d] += p * x[d];
+}
+
+inline void softmax_inplace(float* row, int64_t n) {
+  const float top = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, row, n);
+  at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, row, row, n);
+  const float inv = 1.f / at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, row, n);
+  at::vec::map([inv](Vec x) { return x * Vec(inv); }, row, row, n);
+}
+
+// q [S, Hq, Dk]; k_cache [num_blocks, block_size, Hkv, Dk]; v_cache [num_blocks, block_size, Hkv, Dv], or
+// none: the values are the first dv channels of the keys (MLA's latent cache); block_tables [S, W] int64;
+// context_lens [S] int64, each >= 1; sliding_window <= 0: none. Returns [S, Hq, dv].
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const std::optional<at::Tensor>& v_cache,
+                        const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+                        int64_t sliding_window, int64_t dv) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "paged_decode: q [S, Hq, D] and a 4-d key cache expected");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat, "paged_decode: float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous(), "paged_decode: contiguous q and key cache expected");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && context_lens.scalar_type() == at::kLong &&
+              block_tables.is_contiguous() && context_lens.is_contiguous(), "paged_decode: int64 tables and lengths");
+  const int64_t seqs = q.size(0), q_heads = q.size(1), dk = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), width = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == dk && q_heads % kv_heads == 0, "paged_decode: q and key cache do not match");
+  const float* vp = k_cache.data_ptr<float>();
+  int64_t v_row = dk;
+  if (v_cache.has_value()) {
+    TORCH_CHECK(v_cache->scalar_type() == at::kFloat && v_cache->is_contiguous() &&
+                v_cache->sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), "paged_decode: value cache mismatch");
+    vp = v_cache->data_ptr<float>();
+    v_row = v_cache->size(3);
+  }
+  TORCH_CHECK(dv <= v_row, "paged_decode: dv exceeds the value rows");
+  const int64_t group = q_heads / kv_heads;
+  at::Tensor out = at::empty({seqs, q_heads, dv}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float softmax_scale = static_cast<float>(scale);
+
+  // One task per (sequence, KV head): its K/V rows are read once for the whole group of query heads.
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc, queries(group * dk);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads, len = lens[s];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t n = len - first;
+      const int64_t* table = tables + s * width;
+      const float* qs = qp + (s * q_heads + h * group) * dk;
+      for (int64_t i = 0; i < group * dk; ++i) queries[i] = qs[i] * softmax_scale;
+      scores.resize(group * n);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t pos = first + i;
+        const float* key = kp + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * dk;
+        for (int64_t g = 0; g < group; ++g) scores[g * n + i] = dot(queries.data() + g * dk, key, dk);
+      }
+      for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * n, n);
+      acc.assign(group * dv, 0.f);
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t pos = first + i;
+        const float* value = vp + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * v_row;
+        for (int64_t g = 0; g < group; ++g) add_scaled(scores[g * n + i], value, acc.data() + g * dv, dv);
+      }
+      std::copy(acc.begin(), acc.end(), op + (s * q_heads + h * group) * dv);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(unified_cpu, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale, int sliding_window, int dv) -> Tensor", &paged_decode);
+}
