@@ -16,6 +16,33 @@ def test_inference_linear_matches_f_linear(shape):
             torch.testing.assert_close(kernels.linear(x, weight, b), F.linear(x, weight, b))
 
 
+@pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48), (2, 17, 48), (64, 48), (300, 48), (0, 48)])
+def test_packed_weight_matches_f_linear(shape):
+    weight, bias = torch.randn(96, 48), torch.randn(96)
+    packed = kernels.pack_weight(weight)
+    if packed is None:
+        pytest.skip("oneDNN is not available in this torch build")
+    x = torch.randn(*shape)
+    with torch.inference_mode():
+        for b in (bias, None):
+            torch.testing.assert_close(kernels.linear(x, weight, b, packed), F.linear(x, weight, b))
+
+
+def test_a_packed_copy_is_ignored_once_the_weight_changes():
+    weight, x = torch.randn(96, 48), torch.randn(64, 48)
+    packed = kernels.pack_weight(weight)
+    if packed is None:
+        pytest.skip("oneDNN is not available in this torch build")
+    with torch.no_grad():
+        weight.add_(1.0)  # as a LoRA merge does
+        torch.testing.assert_close(kernels.linear(x, weight, None, packed), F.linear(x, weight))
+        weight.copy_(torch.randn(96, 48))  # as a weight update does
+        torch.testing.assert_close(kernels.linear(x, weight, None, packed), F.linear(x, weight))
+        torch.testing.assert_close(kernels.linear(x, weight, None, kernels.pack_weight(weight)), F.linear(x, weight))
+    with torch.inference_mode():
+        assert kernels.pack_weight(torch.randn(8, 4)) is None  # no version counter to check
+
+
 def test_strided_operands():
     weight, x = torch.randn(96, 100)[:, :48], torch.randn(8, 100)[:, 52:]  # views into wider rows
     with torch.no_grad():

@@ -33,6 +33,7 @@ class EngineConfig:
     max_num_seqs: int = 64  # sequences in one step
     max_num_batched_tokens: int = 2048  # tokens in one step (prefill chunks + decodes)
     chunked_prefill: bool = True
+    packed_weights: bool = True  # CPU float32: keep oneDNN-packed weight copies (faster matmuls, 2x weight memory)
     prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto (model dtype) | int8 | int4
     kv_cache_bytes: Optional[int] = None  # explicit budget; None: a fraction of free memory

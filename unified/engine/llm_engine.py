@@ -82,6 +82,8 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids or ())
         if device.type == "cpu":
             retain_freed_host_memory()  # steps would otherwise fault their activations in afresh
+        if engine_cfg.packed_weights:
+            model.pack_weights()
         self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes, accelerator, engine_cfg.image_prefetch)
         self.is_driver = torch.distributed.get_rank() == 0
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -216,6 +218,8 @@ class LLMEngine:
             if failed:
                 raise WeightMismatch(f"the served weights were kept: {'; '.join(failed)}")
         copy_weights(self.model, staged)
+        if self.cfg.packed_weights:
+            self.model.pack_weights()  # the copies of the old weights are stale now (and ignored)
         self.blocks.reset_prefix_cache()
         self.runner.encoder_cache.clear()  # the vision tower may have changed too
         for request in self.requests.values():

@@ -4,9 +4,9 @@ Each op has a plain-PyTorch reference (any device, the ground truth in tests) an
 a faster path chosen by the input's device and dtype.
 """
 from unified.kernels.kv_quant import dequantize_kv, packed_dim, quantize_kv, scale_layout
-from unified.kernels.linear import linear
+from unified.kernels.linear import PackedWeight, linear, pack_weight
 from unified.kernels.paged_attention import AttentionPlan, paged_attention, plan_paged_attention, write_kv
 from unified.kernels.rms_norm import rms_norm, rms_norm_reference
 
-__all__ = ["AttentionPlan", "dequantize_kv", "linear", "packed_dim", "paged_attention",
+__all__ = ["AttentionPlan", "PackedWeight", "dequantize_kv", "linear", "pack_weight", "packed_dim", "paged_attention",
            "plan_paged_attention", "quantize_kv", "rms_norm", "rms_norm_reference", "scale_layout", "write_kv"]

@@ -60,7 +60,16 @@ def _mark_split(weight: torch.Tensor, dim: int) -> None:
     set_tensor_model_parallel_attributes(weight, is_parallel=True, dim=dim, stride=1)
 
 
-class ColumnLinear(ColumnParallelLinear):
+class PackableLinear:
+    """An inference engine may attach a packed copy of the weight (kernels.pack_weight) for its matmuls."""
+
+    packed: kernels.PackedWeight | None = None
+
+    def pack(self) -> None:
+        self.packed = kernels.pack_weight(self.weight)
+
+
+class ColumnLinear(PackableLinear, ColumnParallelLinear):
     """Output features split across tensor-parallel ranks; output stays split."""
 
     def __init__(self, in_features: int, out_features: int, config: ModelParallelConfig, bias: bool = False):
@@ -76,7 +85,7 @@ class ColumnLinear(ColumnParallelLinear):
             inp = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
         else:
             inp = x
-        y = kernels.linear(inp, self.weight, self.bias)  # backward: inp's grads all-reduced
+        y = kernels.linear(inp, self.weight, self.bias, self.packed)  # backward: inp's grads all-reduced
         return y if self.lora is None else y + self.lora(x)
 
     def effective_weight(self) -> torch.Tensor:
@@ -85,7 +94,7 @@ class ColumnLinear(ColumnParallelLinear):
         return self.weight if self.lora is None else self.weight + self.lora.delta_weight().to(self.weight.dtype)
 
 
-class RowLinear(RowParallelLinear):
+class RowLinear(PackableLinear, RowParallelLinear):
     """Input features split across tensor-parallel ranks; output all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, config: ModelParallelConfig, bias: bool = False):
@@ -95,7 +104,7 @@ class RowLinear(RowParallelLinear):
         self.lora: torch.nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.linear(x, self.weight)
+        y = kernels.linear(x, self.weight, None, self.packed)
         if sequence_parallel.active():
             y = sequence_parallel.reduce_scatter(y, self.tp_group)
         elif self.tp_group.size() > 1:

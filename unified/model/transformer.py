@@ -21,7 +21,7 @@ from unified.model.mla import MLAttention
 from unified.model.mlp import GatedMLP
 from unified.model.moe import MoE
 from unified.model.norm import RMSNorm
-from unified.model.parallel_layers import ColumnLinear, VocabEmbedding, gather_vocab, megatron_config
+from unified.model.parallel_layers import ColumnLinear, PackableLinear, VocabEmbedding, gather_vocab, megatron_config
 from unified.model.rope import RotaryEmbedding
 from unified.model import sequence_parallel
 from unified.runtime.comm import collective
@@ -84,6 +84,7 @@ class CausalLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, dtype) for i in stage.layers})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else None
         self.lm_head = ColumnLinear(config.hidden_size, config.vocab_size, mp) if stage.last and not tied else None
+        self.tied_head_packed: kernels.PackedWeight | None = None
         self.checkpoint_layers = False  # training: recompute each layer's activations in backward
         self.sequence_parallel = False  # training under tensor parallel: split the sequence between linears
         self.rope = RotaryEmbedding(config.rope_parameters, config.rope_head_dim, config.max_position_embeddings,
@@ -142,7 +143,7 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             if self.embed.tp_group.size() > 1:  # backward: sum the ranks' gradients of `hidden`, as ColumnLinear does
                 hidden = copy_to_tensor_model_parallel_region(hidden, group=self.embed.tp_group)
-            return kernels.linear(hidden, self.embed.weight)
+            return kernels.linear(hidden, self.embed.weight, None, self.tied_head_packed)
         return self.lm_head(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -156,3 +157,12 @@ class CausalLM(nn.Module):
             with collective("pp_logits_broadcast", out):
                 torch.distributed.broadcast(out, stage.last_rank, group=stage.group)
         return out
+
+    def pack_weights(self) -> None:
+        """Attaches packed copies of the matmul weights for inference (kernels.pack_weight); a copy that
+        the weights outgrow is ignored, so call again after changing them to get the speed back."""
+        for module in self.modules():
+            if isinstance(module, PackableLinear):
+                module.pack()
+        if self.lm_head is None and self.stage.last:
+            self.tied_head_packed = kernels.pack_weight(self.embed.weight)
