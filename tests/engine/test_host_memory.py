@@ -1,0 +1,47 @@
+"""The CPU engine keeps freed host memory (unified/runtime/host_memory.py): steady-state prefill steps of
+SmolLM2 stop page-faulting their activations in. Each configuration runs in a fresh process, since
+malloc's tuning cannot be undone within one."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROUNDS = """
+import json, random, resource, sys, torch
+import unified.engine.llm_engine as llm_engine
+from unified.checkpoint import load_model
+from unified.config.schema import EngineConfig
+from unified.engine.sampling_params import SamplingParams
+from unified.runtime import init_distributed, select_accelerator
+
+if sys.argv[1] == "untuned":
+    llm_engine.retain_freed_host_memory = lambda: False
+init_distributed(select_accelerator("cpu"))
+engine = llm_engine.LLMEngine(load_model(sys.argv[2]).model, None, EngineConfig(num_blocks=512),
+                              torch.device("cpu"), torch.float32, None)
+rng, faults = random.Random(0), []
+for round in range(3):  # each: one 2048-token prefill step (16 fresh prompts of 128 tokens, one new token each)
+    for _ in range(16):
+        engine.add_request([rng.randrange(100, 30000) for _ in range(128)], SamplingParams(max_tokens=1))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    while engine.has_unfinished():
+        engine.step()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps(faults[1:]))  # the first round faults its buffers in either way
+"""
+
+
+def _prefill_faults(mode: str, checkpoint) -> list[int]:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(ROUNDS), mode, str(checkpoint)], capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning")
+def test_steady_state_prefill_steps_stop_faulting_in_their_activations(smollm2_checkpoint):
+    untuned, tuned = _prefill_faults("untuned", smollm2_checkpoint), _prefill_faults("tuned", smollm2_checkpoint)
+    assert min(untuned) > 20_000, untuned  # glibc's default: the step's buffers are mapped afresh every step
+    assert max(tuned) < min(untuned) / 10, (tuned, untuned)
