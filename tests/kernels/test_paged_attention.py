@@ -111,10 +111,9 @@ def test_a_plan_built_once_serves_every_layer():
         assert torch.equal(planned, fresh)
 
 
+@pytest.mark.parametrize("decode_path", ["cpu-kernel"], indirect=True)
 def test_decode_kernel_at_model_sizes_matches_the_reference(decode_path):
     """SmolLM2-like heads (9 query heads on 3 KV heads, dim 64), 16-token blocks, lengths not block-aligned."""
-    if decode_path == "pytorch":
-        pytest.skip("compares the two paths")
     g = torch.Generator().manual_seed(1)
     block, lens = 16, [1, 17, 200, 63, 128]
     width = -(-max(lens) // block)
