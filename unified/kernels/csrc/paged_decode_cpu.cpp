@@ -17,20 +17,49 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
+// Four independent accumulators: one FMA chain would wait on the FMA latency at every step.
 inline float dot(const float* a, const float* b, int64_t n) {
-  Vec acc(0.f);
+  constexpr int64_t w = Vec::size();
+  Vec acc0(0.f), acc1(0.f), acc2(0.f), acc3(0.f);
   int64_t d = 0;
-  for (; d + Vec::size() <= n; d += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc);
+  for (; d + 4 * w <= n; d += 4 * w) {
+    acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+    acc1 = at::vec::fmadd(Vec::loadu(a + d + w), Vec::loadu(b + d + w), acc1);
+    acc2 = at::vec::fmadd(Vec::loadu(a + d + 2 * w), Vec::loadu(b + d + 2 * w), acc2);
+    acc3 = at::vec::fmadd(Vec::loadu(a + d + 3 * w), Vec::loadu(b + d + 3 * w), acc3);
+  }
+  for (; d + w <= n; d += w) acc0 = at::vec::fmadd(Vec::loadu(a + d), Vec::loadu(b + d), acc0);
+  Vec acc = (acc0 + acc1) + (acc2 + acc3);
   float out = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
   for (; d < n; ++d) out += a[d] * b[d];
   return out;
 }
 
-inline void add_scaled(float p, const float* x, float* y, int64_t n) {  // y += p * x
-  const Vec pv(p);
+// out[0:n] = sum_i weights[i] * rows[i][0:n], keeping four vectors of the sum in registers across the rows.
+inline void weighted_sum(const float* weights, const std::vector<const float*>& rows, float* out, int64_t n) {
+  constexpr int64_t w = Vec::size();
+  const int64_t count = static_cast<int64_t>(rows.size());
   int64_t d = 0;
-  for (; d + Vec::size() <= n; d += Vec::size()) at::vec::fmadd(pv, Vec::loadu(x + d), Vec::loadu(y + d)).store(y + d);
-  for (; d < n; ++d) y[d] += p * x[d];
+  for (; d + 4 * w <= n; d += 4 * w) {
+    Vec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
+    for (int64_t i = 0; i < count; ++i) {
+      const Vec p(weights[i]);
+      const float* x = rows[i] + d;
+      a0 = at::vec::fmadd(p, Vec::loadu(x), a0);
+      a1 = at::vec::fmadd(p, Vec::loadu(x + w), a1);
+      a2 = at::vec::fmadd(p, Vec::loadu(x + 2 * w), a2);
+      a3 = at::vec::fmadd(p, Vec::loadu(x + 3 * w), a3);
+    }
+    a0.store(out + d);
+    a1.store(out + d + w);
+    a2.store(out + d + 2 * w);
+    a3.store(out + d + 3 * w);
+  }
+  for (; d < n; ++d) {
+    float sum = 0.f;
+    for (int64_t i = 0; i < count; ++i) sum += weights[i] * rows[i][d];
+    out[d] = sum;
+  }
 }
 
 inline void softmax_inplace(float* row, int64_t n) {
@@ -74,28 +103,32 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const st
 
   // One task per (sequence, KV head): its K/V rows are read once for the whole group of query heads.
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, acc, queries(group * dk);
+    std::vector<float> scores, queries(group * dk);
+    std::vector<const float*> keys, values;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads, len = lens[s];
       const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
       const int64_t n = len - first;
       const int64_t* table = tables + s * width;
+      keys.clear();
+      values.clear();
+      for (int64_t block = first / block_size, pos = first; pos < len; ++block) {
+        const int64_t row0 = table[block] * block_size * kv_heads + h;  // (slot * kv_heads + h) at the block's start
+        for (int64_t offset = pos % block_size; offset < block_size && pos < len; ++offset, ++pos) {
+          keys.push_back(kp + (row0 + offset * kv_heads) * dk);
+          values.push_back(vp + (row0 + offset * kv_heads) * v_row);
+        }
+      }
       const float* qs = qp + (s * q_heads + h * group) * dk;
       for (int64_t i = 0; i < group * dk; ++i) queries[i] = qs[i] * softmax_scale;
       scores.resize(group * n);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t pos = first + i;
-        const float* key = kp + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * dk;
-        for (int64_t g = 0; g < group; ++g) scores[g * n + i] = dot(queries.data() + g * dk, key, dk);
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t g = 0; g < group; ++g) scores[g * n + i] = dot(queries.data() + g * dk, keys[i], dk);
+      float* out_s = op + (s * q_heads + h * group) * dv;
+      for (int64_t g = 0; g < group; ++g) {
+        softmax_inplace(scores.data() + g * n, n);
+        weighted_sum(scores.data() + g * n, values, out_s + g * dv, dv);
       }
-      for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * n, n);
-      acc.assign(group * dv, 0.f);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t pos = first + i;
-        const float* value = vp + ((table[pos / block_size] * block_size + pos % block_size) * kv_heads + h) * v_row;
-        for (int64_t g = 0; g < group; ++g) add_scaled(scores[g * n + i], value, acc.data() + g * dv, dv);
-      }
-      std::copy(acc.begin(), acc.end(), op + (s * q_heads + h * group) * dv);
     }
   });
   return out;
