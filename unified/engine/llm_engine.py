@@ -26,6 +26,7 @@ from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
 from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
 from unified.errors import UserError
+from unified.kernels import cpu_ops
 from unified.runtime.host_memory import retain_freed_host_memory
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids or ())
         if device.type == "cpu":
             retain_freed_host_memory()  # steps would otherwise fault their activations in afresh
+            cpu_ops.available()  # builds the C++ kernels now, not inside the first request
         if engine_cfg.packed_weights:
             model.pack_weights()
         self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes, accelerator, engine_cfg.image_prefetch)

@@ -1,7 +1,9 @@
 """C++ CPU kernels (unified/kernels/csrc), compiled on first use for this machine's vector width.
 
-`torch.utils.cpp_extension` builds them once (about 40 s; cached under ~/.cache/torch_extensions, or
-TORCH_EXTENSIONS_DIR) and registers them as `torch.ops.unified_cpu.*`. Without a working C++ compiler,
+`torch.utils.cpp_extension` builds them once (about 20-40 s; cached under ~/.cache/torch_extensions, or
+TORCH_EXTENSIONS_DIR) and registers them as `torch.ops.unified_cpu.*`. A build killed midway leaves
+its lock file behind, on which every later build would wait forever; one older than
+STALE_LOCK_SECONDS is removed. Without a working C++ compiler,
 or with UNIFIED_CPU_KERNELS=0, `available()` is False and callers use their plain-PyTorch path; the
 reason is logged once.
 """
@@ -10,12 +12,15 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
+import time
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 SOURCES = [Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"]
+STALE_LOCK_SECONDS = 600
 # The ATen vector width each CPU capability compiles Vectorized<float> for, and the flags it needs.
 _CAPABILITY_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -38,13 +43,31 @@ def available() -> bool:
         return False
 
 
+def _name() -> str:
+    return f"unified_cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
+
+
+def build_directory() -> Path:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return root / f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}" / _name()
+
+
 def _build() -> None:
     from torch.utils.cpp_extension import load
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    flags = _CAPABILITY_FLAGS.get(capability, ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"])
-    load(name=f"unified_cpu_{capability.lower()}", sources=[str(s) for s in SOURCES],
-         extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"], is_python_module=False)
+    flags = _CAPABILITY_FLAGS.get(torch.backends.cpu.get_cpu_capability(),
+                                  ["-DCPU_CAPABILITY=DEFAULT", "-DCPU_CAPABILITY_DEFAULT"])
+    build_dir = build_directory()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    lock = build_dir / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+        log.warning("removing %s, left by a CPU-kernel build that did not finish", lock)
+        lock.unlink(missing_ok=True)
+    log.info("loading the C++ CPU kernels (compiled on first use, 20-40 s)")
+    load(name=_name(), sources=[str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
+         extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False)
 
 
 def build_and_report() -> None:
