@@ -65,7 +65,7 @@ def _build() -> None:
     if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
         log.warning("removing %s, left by a CPU-kernel build that did not finish", lock)
         lock.unlink(missing_ok=True)
-    log.info("loading the C++ CPU kernels (compiled on first use, 20-40 s)")
+    log.info("loading the C++ CPU kernels (the first load on a machine compiles them: 20-40 s)")
     load(name=_name(), sources=[str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
          extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False)
 
