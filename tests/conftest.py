@@ -5,7 +5,9 @@ starts cold; CLI tests run in subprocesses that inherit it through UNIFIED_CACHE
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 _session_cache = tempfile.mkdtemp(prefix="unified-test-cache-")
+atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
 os.environ["UNIFIED_CACHE_DIR"] = _session_cache
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
