@@ -13,6 +13,10 @@
 #include <algorithm>
 #include <vector>
 
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
@@ -33,6 +37,31 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float out = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc);
   for (; d < n; ++d) out += a[d] * b[d];
   return out;
+}
+
+// out[j] = q . keys[j] for the eight rows keys[0..7] of length n. Each row's products are summed in a
+// vector accumulator; the eight accumulators are then reduced together (on AVX2 with a tree of horizontal
+// adds, ~10 instructions for all eight instead of a full reduction per row).
+inline void dot8(const float* q, const float* const* keys, int64_t n, float* out) {
+  constexpr int64_t w = Vec::size();
+  Vec acc[8] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+  int64_t d = 0;
+  for (; d + w <= n; d += w) {
+    const Vec qv = Vec::loadu(q + d);
+    for (int j = 0; j < 8; ++j) acc[j] = at::vec::fmadd(qv, Vec::loadu(keys[j] + d), acc[j]);
+  }
+#if defined(CPU_CAPABILITY_AVX2)
+  const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
+  const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  // u0 holds rows 0-3 in each 128-bit half, u1 rows 4-7: add the halves.
+  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+  _mm256_storeu_ps(out, sums);
+#else
+  for (int j = 0; j < 8; ++j) out[j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[j]);
+#endif
+  for (; d < n; ++d)
+    for (int j = 0; j < 8; ++j) out[j] += q[d] * keys[j][d];
 }
 
 // out[0:n] = sum_i weights[i] * rows[i][0:n], keeping four vectors of the sum in registers across the rows.
@@ -122,8 +151,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const st
       const float* qs = qp + (s * q_heads + h * group) * dk;
       for (int64_t i = 0; i < group * dk; ++i) queries[i] = qs[i] * softmax_scale;
       scores.resize(group * n);
-      for (int64_t i = 0; i < n; ++i)
-        for (int64_t g = 0; g < group; ++g) scores[g * n + i] = dot(queries.data() + g * dk, keys[i], dk);
+      for (int64_t g = 0; g < group; ++g) {
+        const float* query = queries.data() + g * dk;
+        float* row = scores.data() + g * n;
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) dot8(query, keys.data() + i, dk, row + i);
+        for (; i < n; ++i) row[i] = dot(query, keys[i], dk);
+      }
       float* out_s = op + (s * q_heads + h * group) * dv;
       for (int64_t g = 0; g < group; ++g) {
         softmax_inplace(scores.data() + g * n, n);
