@@ -12,6 +12,15 @@ def test_rms_norm_matches_reference(dtype):
     torch.testing.assert_close(rms_norm(x, weight, 1e-6), expected)
 
 
+@pytest.mark.parametrize("shape", [(3, 7, 64), (64, 576), (2, 13)])
+def test_rms_norm_inference_kernel_matches_reference(shape):
+    x = 3 * torch.randn(shape)
+    weight = 1 + 0.1 * torch.randn(shape[-1])
+    with torch.no_grad():
+        out = rms_norm(x, weight, 1e-5)
+    torch.testing.assert_close(out, rms_norm_reference(x, weight, 1e-5), rtol=1e-6, atol=1e-6)
+
+
 def test_rms_norm_reference_matches_transformers():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 

@@ -3,10 +3,12 @@
 Each op has a plain-PyTorch reference (any device, the ground truth in tests) and, where one exists,
 a faster path chosen by the input's device and dtype.
 """
+from unified.kernels.activation import gated_activation, gated_activation_reference
 from unified.kernels.kv_quant import dequantize_kv, packed_dim, quantize_kv, scale_layout
 from unified.kernels.linear import PackedWeight, linear, pack_weight
 from unified.kernels.paged_attention import AttentionPlan, paged_attention, plan_paged_attention, write_kv
 from unified.kernels.rms_norm import rms_norm, rms_norm_reference
 
-__all__ = ["AttentionPlan", "PackedWeight", "dequantize_kv", "linear", "pack_weight", "packed_dim", "paged_attention",
-           "plan_paged_attention", "quantize_kv", "rms_norm", "rms_norm_reference", "scale_layout", "write_kv"]
+__all__ = ["AttentionPlan", "PackedWeight", "dequantize_kv", "gated_activation", "gated_activation_reference", "linear",
+           "pack_weight", "packed_dim", "paged_attention", "plan_paged_attention", "quantize_kv", "rms_norm",
+           "rms_norm_reference", "scale_layout", "write_kv"]

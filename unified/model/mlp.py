@@ -2,6 +2,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unified import kernels
 from unified.model.parallel_layers import ColumnLinear, RowLinear, megatron_config
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -25,5 +26,4 @@ class GatedMLP(nn.Module):
         self.act = activation(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(kernels.gated_activation(self.gate_up_proj(x), self.act))

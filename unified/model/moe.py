@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from unified import kernels
 from unified.model.config import ModelConfig, MoEConfig
 from unified.model.mlp import GatedMLP, activation
 from unified.runtime.comm import collective
@@ -97,8 +98,8 @@ class Experts(nn.Module):
             if count == 0:
                 continue
             rows = token_of[start:start + count]
-            gate, up = torch.nn.functional.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
-            y = torch.nn.functional.linear(self.act(gate) * up, self.down[expert])
+            hidden = kernels.gated_activation(torch.nn.functional.linear(x[rows], self.gate_up[expert]), self.act)
+            y = torch.nn.functional.linear(hidden, self.down[expert])
             y = y * weights.flatten()[picks[start:start + count], None].to(y.dtype)
             out.index_add_(0, rows, y)
             start += count

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2)
@@ -168,9 +169,53 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const st
   return out;
 }
 
+// y = weight * (x / sqrt(mean(x^2) + eps)) over the last dimension, one pass per row.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.is_contiguous() &&
+              weight.is_contiguous() && x.dim() >= 1 && weight.numel() == x.size(-1),
+              "rms_norm: contiguous float32 x [..., n] and weight [n] expected");
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  at::Tensor out = at::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = xp + r * n;
+      const float squares = at::vec::map_reduce_all<float>(
+          [](Vec v) { return v * v; }, [](Vec a, Vec b) { return a + b; }, xr, n);
+      const float inv = 1.f / std::sqrt(squares / static_cast<float>(n) + static_cast<float>(eps));
+      at::vec::map2([inv](Vec v, Vec w) { return w * (v * Vec(inv)); }, op + r * n, xr, wp, n);
+    }
+  });
+  return out;
+}
+
+// [..., 2i] -> [..., i]: silu(gate) * up for x = [gate | up], the gated MLP's activation in one pass.
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.dim() >= 1 && x.size(-1) % 2 == 0,
+              "silu_and_mul: contiguous float32 [..., 2i] expected");
+  const int64_t half = x.size(-1) / 2, rows = half ? x.numel() / (2 * half) : 0;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = half;
+  at::Tensor out = at::empty(shape, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = xp + r * 2 * half;
+      at::vec::map2([](Vec g, Vec u) { return g / (Vec(1.f) + g.neg().exp()) * u; }, op + r * half, gate,
+                    gate + half, half);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(unified_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor block_tables, Tensor context_lens, "
         "float scale, int sliding_window, int dv) -> Tensor", &paged_decode);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
+  m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
 }

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unified import kernels
 from unified.model.mlp import activation
 from unified.model.norm import RMSNorm
 from unified.model.rope import apply_rotary
@@ -85,8 +86,7 @@ class VisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gated:
-            gate, up = self.fc1(x).chunk(2, dim=-1)
-            return self.fc2(self.act(gate) * up)
+            return self.fc2(kernels.gated_activation(self.fc1(x), self.act))
         return self.fc2(self.act(self.fc1(x)))
 
 
