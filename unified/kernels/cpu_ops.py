@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / "cpu_kernels.cpp"]
 STALE_LOCK_SECONDS = 600
 # The ATen vector width each CPU capability compiles Vectorized<float> for, and the flags it needs.
 _CAPABILITY_FLAGS = {

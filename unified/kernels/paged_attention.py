@@ -10,7 +10,7 @@ This plain-PyTorch version is the reference and the path on every device. It rea
 of the sequences in the batch, never the whole cache: all one-token (decode) queries go through a
 single gather of their blocks, padded to the longest context, and one masked SDPA; each multi-token
 (prefill) chunk gathers its own blocks and runs one SDPA. On CPU, float32 decodes over unquantised
-caches instead go through a C++ kernel (csrc/paged_decode_cpu.cpp) that reads the rows in place
+caches instead go through a C++ kernel (csrc/cpu_kernels.cpp) that reads the rows in place
 through the block tables, with no gathered copy: about 2x faster than gather + SDPA for 64
 SmolLM2-shaped sequences of 150-200 tokens. Decodes read whole blocks and mask the slots past each
 sequence's end, so those slots must hold finite values (a masked NaN still gives 0 * NaN): caches start

@@ -1,6 +1,8 @@
-// Decode attention over a paged KV cache on CPU: one query token per sequence, reading each sequence's
-// K/V rows in place through its block table (no gathered copy of the context), fp32.
-// The plain-PyTorch reference is unified/kernels/paged_attention.py (_decode_batch); tests compare the two.
+// C++ CPU kernels, float32, registered as torch.ops.unified_cpu.*; tests compare each with its reference:
+// - paged_decode: decode attention over a paged KV cache, one query token per sequence, reading each
+//   sequence's K/V rows in place through its block table (no gathered copy of the context).
+//   Reference: unified/kernels/paged_attention.py (_decode_batch).
+// - rms_norm, silu_and_mul: one pass each. References: unified/kernels/rms_norm.py, activation.py.
 //
 // Built at first use by unified/kernels/cpu_ops.py with CPU_CAPABILITY set to what ATen dispatches to on
 // this machine (AVX2 or AVX512), so at::vec::Vectorized<float> is that width.
