@@ -28,6 +28,24 @@ def test_packed_weight_matches_f_linear(shape):
             torch.testing.assert_close(kernels.linear(x, weight, b, packed), F.linear(x, weight, b))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("out_features,in_features", [(96, 48), (101, 45)])
+def test_few_row_kernel_matches_f_linear(rows, out_features, in_features):
+    """Batch-1 decode shapes take the weight-streaming C++ kernel: whole groups of eight weight rows and
+    a remainder, inputs that are and are not whole vectors."""
+    from unified.kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("no C++ CPU kernels on this machine")
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    x = torch.randn(rows, 1, in_features)
+    with torch.no_grad():
+        for b in (bias, None):
+            expected = F.linear(x, weight, b)
+            torch.testing.assert_close(torch.ops.unified_cpu.skinny_linear(x[:, 0], weight, b), expected[:, 0])
+            torch.testing.assert_close(kernels.linear(x, weight, b), expected)
+
+
 def test_a_packed_copy_is_ignored_once_the_weight_changes():
     weight, x = torch.randn(96, 48), torch.randn(64, 48)
     packed = kernels.pack_weight(weight)

@@ -2,6 +2,7 @@
 // - paged_decode: decode attention over a paged KV cache, one query token per sequence, reading each
 //   sequence's K/V rows in place through its block table (no gathered copy of the context).
 //   Reference: unified/kernels/paged_attention.py (_decode_batch).
+// - skinny_linear: x @ w.T for a few rows of x, streaming the weight. Reference: F.linear (linear.py).
 // - rms_norm, silu_and_mul: one pass each. References: unified/kernels/rms_norm.py, activation.py.
 //
 // Built at first use by unified/kernels/cpu_ops.py with CPU_CAPABILITY set to what ATen dispatches to on
@@ -42,29 +43,34 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return out;
 }
 
-// out[j] = q . keys[j] for the eight rows keys[0..7] of length n. Each row's products are summed in a
-// vector accumulator; the eight accumulators are then reduced together (on AVX2 with a tree of horizontal
-// adds, ~10 instructions for all eight instead of a full reduction per row).
-inline void dot8(const float* q, const float* const* keys, int64_t n, float* out) {
-  constexpr int64_t w = Vec::size();
-  Vec acc[8] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
-  int64_t d = 0;
-  for (; d + w <= n; d += w) {
-    const Vec qv = Vec::loadu(q + d);
-    for (int j = 0; j < 8; ++j) acc[j] = at::vec::fmadd(qv, Vec::loadu(keys[j] + d), acc[j]);
-  }
+// out[j] = the sum of acc[j]'s lanes, for eight accumulators (on AVX2 by a tree of horizontal adds, ~10
+// instructions for all eight instead of a full reduction each).
+inline void reduce8(Vec* acc, float* out) {
 #if defined(CPU_CAPABILITY_AVX2)
   const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
   const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
   // u0 holds rows 0-3 in each 128-bit half, u1 rows 4-7: add the halves.
-  const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-  _mm256_storeu_ps(out, sums);
+  _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
 #else
   for (int j = 0; j < 8; ++j) out[j] = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, acc[j]);
 #endif
+}
+
+// out[j] = x . rows[j] for eight rows of length n: one vector accumulator per row.
+inline void dot8(const float* x, const float* const* rows, int64_t n, float* out) {
+  constexpr int64_t w = Vec::size();
+  Vec acc[8] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+  int64_t d = 0;
+  for (; d + w <= n; d += w) {
+    const Vec xv = Vec::loadu(x + d);
+    for (int j = 0; j < 8; ++j) acc[j] = at::vec::fmadd(xv, Vec::loadu(rows[j] + d), acc[j]);
+  }
+  float sums[8];
+  reduce8(acc, sums);
   for (; d < n; ++d)
-    for (int j = 0; j < 8; ++j) out[j] += q[d] * keys[j][d];
+    for (int j = 0; j < 8; ++j) sums[j] += x[d] * rows[j][d];
+  for (int j = 0; j < 8; ++j) out[j] = sums[j];
 }
 
 // out[0:n] = sum_i weights[i] * rows[i][0:n], keeping four vectors of the sum in registers across the rows.
@@ -171,6 +177,43 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const st
   return out;
 }
 
+// out [M, N] = x [M, K] @ w [N, K].T (+ bias [N]) for a few rows M (batch-1 decode): a stream over the
+// weight, eight rows at a time, each read from memory once for all rows of x; threads take contiguous
+// row ranges.
+at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K] and w [N, K] expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() && w.is_contiguous(),
+              "skinny_linear: contiguous float32 x and w expected");
+  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "skinny_linear: float32 bias [N] expected");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor out = at::empty({rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, (n + 7) / 8, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t j0 = group * 8;
+      if (j0 + 8 <= n) {
+        const float* weights[8];
+        for (int j = 0; j < 8; ++j) weights[j] = wp + (j0 + j) * k;
+        for (int64_t i = 0; i < rows; ++i) dot8(xp + i * k, weights, k, op + i * n + j0);
+      } else {
+        for (int64_t j = j0; j < n; ++j)
+          for (int64_t i = 0; i < rows; ++i) op[i * n + j] = dot(xp + i * k, wp + j * k, k);
+      }
+      if (bp)
+        for (int64_t i = 0; i < rows; ++i)
+          for (int64_t j = j0; j < std::min(j0 + 8, n); ++j) op[i * n + j] += bp[j];
+    }
+  });
+  return out;
+}
+
 // y = weight * (x / sqrt(mean(x^2) + eps)) over the last dimension, one pass per row.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.is_contiguous() &&
@@ -218,6 +261,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 TORCH_LIBRARY(unified_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor block_tables, Tensor context_lens, "
         "float scale, int sliding_window, int dv) -> Tensor", &paged_decode);
+  m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor", &skinny_linear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
 }
