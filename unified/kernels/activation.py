@@ -20,7 +20,6 @@ def gated_activation_reference(x: torch.Tensor, act: Callable[[torch.Tensor], to
 
 
 def gated_activation(x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    if (act is F.silu and x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-            and cpu_ops.available()):
+    if act is F.silu and cpu_ops.applies(x):
         return torch.ops.unified_cpu.silu_and_mul(x.contiguous())
     return gated_activation_reference(x, act)

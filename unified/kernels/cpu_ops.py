@@ -43,6 +43,13 @@ def available() -> bool:
         return False
 
 
+def applies(*tensors: torch.Tensor) -> bool:
+    """Whether a C++ kernel may take these tensors: float32 on the CPU, with autograd off (the kernels
+    have no backward), and the kernels built."""
+    return (not torch.is_grad_enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and available())
+
+
 def _name() -> str:
     return f"unified_cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
 

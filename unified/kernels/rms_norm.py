@@ -21,7 +21,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        if x.device.type == "cpu" and not torch.is_grad_enabled() and cpu_ops.available():
+        if cpu_ops.applies(x, weight):
             return torch.ops.unified_cpu.rms_norm(x.contiguous(), weight.contiguous(), eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return rms_norm_reference(x, weight, eps)
