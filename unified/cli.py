@@ -53,10 +53,19 @@ def run_job(cfg) -> None:
 
     if cfg.job not in JOBS:
         _fail(f"job={cfg.job!r} is unknown; jobs: {', '.join(JOBS)}")
+    ended_normally = False
     try:
         importlib.import_module(JOBS[cfg.job]).run(cfg)
+        ended_normally = True
     except UserError as err:
         _fail(str(err))
+    except SystemExit as exit:  # ranks that follow a driver end with SystemExit(0) once it releases them
+        ended_normally = exit.code in (0, None)
+        raise
+    finally:
+        from unified.runtime import shutdown_distributed
+
+        shutdown_distributed(wait_for_peers=ended_normally)
 
 
 def main(argv: list[str] | None = None) -> None:
