@@ -1,9 +1,13 @@
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from unified import kernels
 from unified.kernels.linear import uses_onednn
+
+linear_module = importlib.import_module("unified.kernels.linear")  # the package exports the function `linear`
 
 
 @pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48), (2, 17, 48), (300, 48), (0, 48)])
@@ -16,16 +20,29 @@ def test_inference_linear_matches_f_linear(shape):
             torch.testing.assert_close(kernels.linear(x, weight, b), F.linear(x, weight, b))
 
 
-@pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48), (2, 17, 48), (64, 48), (300, 48), (0, 48)])
-def test_packed_weight_matches_f_linear(shape):
-    weight, bias = torch.randn(96, 48), torch.randn(96)
+@pytest.mark.parametrize("layout", ["panels", "onednn"])
+@pytest.mark.parametrize("rows", [0, 1, 5, 64, 300, 600])  # 600 rows: more than one row block of the panel kernel
+@pytest.mark.parametrize("out_features,in_features", [(96, 48), (101, 45)])  # whole panels of 16 and a part panel
+def test_packed_weight_matches_f_linear(layout, rows, out_features, in_features, monkeypatch):
+    if layout == "onednn":
+        monkeypatch.setattr(linear_module, "_panels_available", lambda: False)
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
     packed = kernels.pack_weight(weight)
-    if packed is None:
-        pytest.skip("oneDNN is not available in this torch build")
-    x = torch.randn(*shape)
-    with torch.inference_mode():
-        for b in (bias, None):
-            torch.testing.assert_close(kernels.linear(x, weight, b, packed), F.linear(x, weight, b))
+    if packed is None or packed.layout != layout:
+        pytest.skip(f"no {layout} packing on this machine")
+    for x in (torch.randn(rows, in_features), torch.randn(rows, 2, in_features)[:, 1]):  # contiguous, strided
+        with torch.inference_mode():
+            for b in (bias, None):
+                torch.testing.assert_close(kernels.linear(x.unsqueeze(0), weight, b, packed),
+                                           F.linear(x.unsqueeze(0), weight, b))
+
+
+def test_avx2_machines_pack_in_panels():
+    from unified.kernels import cpu_ops
+
+    if not (cpu_ops.available() and torch.backends.cpu.get_cpu_capability() == "AVX2"):
+        pytest.skip("the panel kernel is built for AVX2 machines")
+    assert kernels.pack_weight(torch.randn(96, 48)).layout == "panels"
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8])

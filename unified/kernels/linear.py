@@ -1,22 +1,22 @@
-"""Linear layers, through oneDNN's matmul for CPU inference.
+"""Linear layers for CPU inference: packed weight copies, a C++ matmul over them, oneDNN otherwise.
 
-On CPU, in float32 and with no gradient wanted, `linear` calls oneDNN's matmul
-(`torch.ops.mkldnn._linear_pointwise`, the op PyTorch's compiler emits for CPU linears; vLLM's CPU
-backend also runs its linears through oneDNN) instead of F.linear's MKL sgemm. On our AMD EPYC (AVX2)
-it makes whole engine steps ~10% faster (64-sequence decode, 2048-token prefill chunks and batch-1
-decode alike) and the wide LM-head matmul up to 1.8x (both against MKL sgemm with MKL-packed weights),
-reading the weight as it is. Results differ from F.linear by rounding only. Training (autograd) and
-other dtypes and devices use F.linear.
+On CPU, in float32 and with no gradient wanted, `linear` avoids F.linear's MKL sgemm:
 
-An inference engine may also hand `linear` a `PackedWeight`: oneDNN's blocked copy of the weight
-(`pack_weight`; vLLM's CPU backend prepacks the same way), which makes SmolLM2's 64-row decode
-matmuls another 1.14-1.29x faster here, at the cost of a second copy of the weights. A packed copy remembers the weight's version
-counter and is ignored once the weight changes in place (`copy_`, `add_`), so it is never stale; the
-owner packs again to get the speed back.
+- An inference engine hands `linear` a `PackedWeight` (`pack_weight`; vLLM's CPU backend prepacks its
+  weights too). On AVX2 machines that is our panel layout (16 output features per panel, each a
+  contiguous stream), multiplied by `unified_cpu::panel_linear` (csrc): 1.15-1.9x over oneDNN on its own
+  packing for 16-2048 rows of SmolLM2's weights, and at 1-8 rows (batch-1 decode) it reads the weight at
+  close to the memory bandwidth. Elsewhere (no C++ kernels, AVX512 machines where oneDNN has wider
+  vectors than our kernel) the copy is oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`).
+  Either costs a second copy of the weights. A packed copy remembers the weight's version counter and is
+  ignored once the weight changes in place (`copy_`, `add_`), so it is never stale; the owner packs again
+  to get the speed back.
+- Without a packed copy, 1-8 rows go to `unified_cpu::skinny_linear`, a stream over the plain weight
+  eight rows at a time, and more rows to oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the op
+  PyTorch's compiler emits for CPU linears), ~10% faster than MKL here on whole engine steps.
 
-With at most SKINNY_MAX_ROWS rows of input (batch-1 decode) the matmul is a stream over the weight, which
-oneDNN reads at about 60% of the memory bandwidth here; those go to a C++ kernel
-(`unified_cpu::skinny_linear`, csrc) that reads eight weight rows at a time at close to the bandwidth.
+Results differ from F.linear by rounding only. Training (autograd) and other dtypes and devices use
+F.linear.
 """
 from __future__ import annotations
 
@@ -28,24 +28,36 @@ import torch.nn.functional as F
 from unified.kernels import cpu_ops
 
 _ONEDNN = torch.backends.mkldnn.is_available()
-PACK_ROWS = 64  # the row count oneDNN tunes the blocked layout for; any row count works with it
+ONEDNN_PACK_ROWS = 64  # the row count oneDNN tunes its blocked layout for; any row count works with it
 SKINNY_MAX_ROWS = 8  # measured here: 1.2-1.37x over oneDNN for 1-8 rows over SmolLM2's weights
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    tensor: torch.Tensor  # oneDNN's blocked layout of the weight
+    tensor: torch.Tensor  # the packed copy, in `layout`
     version: int  # the weight's `_version` when packed
+    layout: str  # "panels" (unified_cpu::pack_panels) or "onednn" (oneDNN's blocked layout)
+
+
+def _panels_available() -> bool:
+    return cpu_ops.available() and hasattr(torch.ops.unified_cpu, "panel_linear")  # AVX2 builds only
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """oneDNN's blocked copy of a CPU float32 weight [out, in]; None where `linear` would not use it."""
-    if not (_ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32) or weight.is_inference():
+    """A packed copy of a CPU float32 weight [out, in]; None where `linear` would not use one."""
+    if not (weight.device.type == "cpu" and weight.dtype == torch.float32) or weight.is_inference():
         return None  # inference-mode tensors keep no version counter to tell a stale copy by
-    return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS), weight._version)
+    with torch.no_grad():
+        if _panels_available():
+            return PackedWeight(torch.ops.unified_cpu.pack_panels(weight), weight._version, "panels")
+        if _ONEDNN:
+            return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS), weight._version,
+                                "onednn")
+    return None
 
 
 def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` takes the inference path above (packed copies, C++ kernels, oneDNN) for x."""
     return (_ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
             and not torch.is_grad_enabled())
 
@@ -53,12 +65,16 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """F.linear: x [..., in] @ weight [out, in].T + bias, through `packed` when it is still the weight's."""
-    if uses_onednn(x, weight):
-        rows = x.numel() // max(x.shape[-1], 1)
-        if 0 < rows <= SKINNY_MAX_ROWS and weight.is_contiguous() and cpu_ops.available():
-            out = torch.ops.unified_cpu.skinny_linear(x.reshape(rows, -1).contiguous(), weight, bias)
-            return out.view(*x.shape[:-1], weight.shape[0])
-        if packed is not None and packed.version == weight._version:
-            weight = packed.tensor
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    if not uses_onednn(x, weight):
+        return F.linear(x, weight, bias)
+    rows, out_features = x.numel() // max(x.shape[-1], 1), weight.shape[0]
+    if packed is not None and packed.version == weight._version:
+        if packed.layout == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+        x2d = x.reshape(rows, x.shape[-1]).contiguous()
+        return torch.ops.unified_cpu.panel_linear(x2d, packed.tensor, out_features, bias).view(*x.shape[:-1],
+                                                                                           out_features)
+    if 0 < rows <= SKINNY_MAX_ROWS and weight.is_contiguous() and cpu_ops.available():
+        out = torch.ops.unified_cpu.skinny_linear(x.reshape(rows, -1).contiguous(), weight, bias)
+        return out.view(*x.shape[:-1], out_features)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

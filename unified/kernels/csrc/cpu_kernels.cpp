@@ -3,6 +3,8 @@
 //   sequence's K/V rows in place through its block table (no gathered copy of the context).
 //   Reference: unified/kernels/paged_attention.py (_decode_batch).
 // - skinny_linear: x @ w.T for a few rows of x, streaming the weight. Reference: F.linear (linear.py).
+// - pack_panels, panel_linear (AVX2 builds only): x @ w.T through a copy of w packed in panels of 16
+//   output features, for any number of rows. Reference: F.linear (linear.py).
 // - rms_norm, silu_and_mul: one pass each. References: unified/kernels/rms_norm.py, activation.py.
 //
 // Built at first use by unified/kernels/cpu_ops.py with CPU_CAPABILITY set to what ATen dispatches to on
@@ -214,6 +216,115 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const std::op
   return out;
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// x @ w.T with w packed once in panels: panel p holds output features [16p, 16p + 16) as k rows of 16
+// floats, so a register tile of 6 rows x 16 features (12 accumulators, 2 weight vectors, 1 broadcast of
+// the 16 AVX2 registers) reads one contiguous stream of weights. Threads take contiguous panel ranges;
+// rows go in blocks of kPanelRowBlock so the block of x a panel meets stays in L2. No split of k: a
+// panel (k x 64 bytes) is read from L2 at a rate the FMAs keep up with. On our 2-core EPYC this runs at
+// 160-190 GFLOP/s for 1-2048 rows over SmolLM2's weights, against oneDNN's 115-155 on its own packing.
+constexpr int64_t kPanel = 16, kPanelRows = 6, kPanelRowBlock = 264;
+
+at::Tensor pack_panels(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
+              "pack_panels: a float32 CPU weight [N, K] expected");
+  const at::Tensor wc = w.contiguous();
+  const int64_t n = wc.size(0), k = wc.size(1), panels = (n + kPanel - 1) / kPanel;
+  at::Tensor out = at::zeros({panels, k, kPanel}, wc.options());  // features past N stay zero
+  const float* src = wc.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p)
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < n; ++j) {
+        const float* row = src + (p * kPanel + j) * k;
+        float* column = dst + p * k * kPanel + j;
+        for (int64_t d = 0; d < k; ++d) column[d * kPanel] = row[d];
+      }
+  });
+  return out;
+}
+
+// c[R, 16] = init[16] + a[R, k] @ panel[k, 16], with R <= 6 rows of a `lda` apart and of c `ldc` apart.
+// Named registers, not an array of vectors: GCC kept such an array in memory, storing every
+// accumulator at every step (half the speed).
+template <int R>
+inline void panel_tile(const float* a, int64_t lda, const float* panel, int64_t k, float* c, int64_t ldc,
+                       const float* init) {
+  __m256 c00, c01, c10, c11, c20, c21, c30, c31, c40, c41, c50, c51;
+  const float *a0 = a, *a1 = a + lda, *a2 = a + 2 * lda, *a3 = a + 3 * lda, *a4 = a + 4 * lda, *a5 = a + 5 * lda;
+#define UNIFIED_TILE_INIT(r) \
+  if (R > r) { c##r##0 = _mm256_loadu_ps(init); c##r##1 = _mm256_loadu_ps(init + 8); }
+#define UNIFIED_TILE_FMA(r)                                                                          \
+  if (R > r) {                                                                                       \
+    const __m256 x = _mm256_broadcast_ss(a##r + d);                                                  \
+    c##r##0 = _mm256_fmadd_ps(x, w0, c##r##0);                                                       \
+    c##r##1 = _mm256_fmadd_ps(x, w1, c##r##1);                                                       \
+  }
+#define UNIFIED_TILE_STORE(r) \
+  if (R > r) { _mm256_storeu_ps(c + r * ldc, c##r##0); _mm256_storeu_ps(c + r * ldc + 8, c##r##1); }
+  UNIFIED_TILE_INIT(0) UNIFIED_TILE_INIT(1) UNIFIED_TILE_INIT(2) UNIFIED_TILE_INIT(3) UNIFIED_TILE_INIT(4)
+  UNIFIED_TILE_INIT(5)
+  for (int64_t d = 0; d < k; ++d) {
+    const __m256 w0 = _mm256_loadu_ps(panel + d * kPanel), w1 = _mm256_loadu_ps(panel + d * kPanel + 8);
+    UNIFIED_TILE_FMA(0) UNIFIED_TILE_FMA(1) UNIFIED_TILE_FMA(2) UNIFIED_TILE_FMA(3) UNIFIED_TILE_FMA(4)
+    UNIFIED_TILE_FMA(5)
+  }
+  UNIFIED_TILE_STORE(0) UNIFIED_TILE_STORE(1) UNIFIED_TILE_STORE(2) UNIFIED_TILE_STORE(3) UNIFIED_TILE_STORE(4)
+  UNIFIED_TILE_STORE(5)
+#undef UNIFIED_TILE_INIT
+#undef UNIFIED_TILE_FMA
+#undef UNIFIED_TILE_STORE
+}
+
+using PanelTile = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*);
+constexpr PanelTile kPanelTiles[kPanelRows + 1] = {nullptr,        panel_tile<1>, panel_tile<2>, panel_tile<3>,
+                                                   panel_tile<4>, panel_tile<5>, panel_tile<6>};
+
+// out [M, N] = x [M, K] @ w [N, K].T (+ bias [N]), w given as pack_panels(w).
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "panel_linear: contiguous float32 x [M, K] expected");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+                  panels.size(2) == kPanel && panels.size(1) == x.size(1) && n > (panels.size(0) - 1) * kPanel &&
+                  n <= panels.size(0) * kPanel,
+              "panel_linear: panels = pack_panels(w) of a weight [n, K] expected");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "panel_linear: float32 bias [N] expected");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float init[kPanel];
+    alignas(32) float edge[kPanelRows * kPanel];  // the last panel's tile when N is no multiple of 16
+    for (int64_t block = 0; block < m; block += kPanelRowBlock) {
+      const int64_t block_end = std::min(m, block + kPanelRowBlock);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t j0 = p * kPanel, features = std::min(kPanel, n - j0);
+        for (int64_t j = 0; j < kPanel; ++j) init[j] = bp && j < features ? bp[j0 + j] : 0.f;
+        const float* panel = wp + p * k * kPanel;
+        for (int64_t i = block; i < block_end; i += kPanelRows) {
+          const int64_t rows = std::min(kPanelRows, block_end - i);
+          if (features == kPanel) {
+            kPanelTiles[rows](xp + i * k, k, panel, k, op + i * n + j0, n, init);
+          } else {
+            kPanelTiles[rows](xp + i * k, k, panel, k, edge, kPanel, init);
+            for (int64_t r = 0; r < rows; ++r)
+              std::copy(edge + r * kPanel, edge + r * kPanel + features, op + (i + r) * n + j0);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+#endif
+
 // y = weight * (x / sqrt(mean(x^2) + eps)) over the last dimension, one pass per row.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.is_contiguous() &&
@@ -264,4 +375,8 @@ TORCH_LIBRARY(unified_cpu, m) {
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor", &skinny_linear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+#if defined(CPU_CAPABILITY_AVX2)
+  m.def("pack_panels(Tensor w) -> Tensor", &pack_panels);
+  m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor", &panel_linear);
+#endif
 }
