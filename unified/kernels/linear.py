@@ -56,7 +56,7 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     return None
 
 
-def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def takes_inference_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` takes the inference path above (packed copies, C++ kernels, oneDNN) for x."""
     return (_ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
             and not torch.is_grad_enabled())
@@ -65,7 +65,7 @@ def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """F.linear: x [..., in] @ weight [out, in].T + bias, through `packed` when it is still the weight's."""
-    if not uses_onednn(x, weight):
+    if not takes_inference_path(x, weight):
         return F.linear(x, weight, bias)
     rows, out_features = x.numel() // max(x.shape[-1], 1), weight.shape[0]
     if packed is not None and packed.version == weight._version:
