@@ -59,8 +59,8 @@ def run_job(cfg) -> None:
         ended_normally = True
     except UserError as err:
         _fail(str(err))
-    except SystemExit as exit:  # ranks that follow a driver end with SystemExit(0) once it releases them
-        ended_normally = exit.code in (0, None)
+    except SystemExit as stop:  # ranks that follow a driver end with SystemExit(0) once it releases them
+        ended_normally = stop.code in (0, None)
         raise
     finally:
         from unified.runtime import shutdown_distributed

@@ -4,9 +4,9 @@ On CPU, in float32 and with no gradient wanted, `linear` avoids F.linear's MKL s
 
 - An inference engine hands `linear` a `PackedWeight` (`pack_weight`; vLLM's CPU backend prepacks its
   weights too). On AVX2 machines that is our panel layout (16 output features per panel, each a
-  contiguous stream), multiplied by `unified_cpu::panel_linear` (csrc): 1.15-1.9x over oneDNN on its own
-  packing for 16-2048 rows of SmolLM2's weights, and at 1-8 rows (batch-1 decode) it reads the weight at
-  close to the memory bandwidth. Elsewhere (no C++ kernels, AVX512 machines where oneDNN has wider
+  contiguous stream), multiplied by `unified_cpu::panel_linear` (csrc): 1.01-1.45x over oneDNN on its
+  own packing for 1-2048 rows of SmolLM2's weights (`bench/matmul.py`), and at one row (batch-1 decode)
+  it reads the weight at about the memory bandwidth. Elsewhere (no C++ kernels, AVX512 machines where oneDNN has wider
   vectors than our kernel) the copy is oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`).
   Either costs a second copy of the weights. A packed copy remembers the weight's version counter and is
   ignored once the weight changes in place (`copy_`, `add_`), so it is never stale; the owner packs again
@@ -67,14 +67,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear: x [..., in] @ weight [out, in].T + bias, through `packed` when it is still the weight's."""
     if not takes_inference_path(x, weight):
         return F.linear(x, weight, bias)
-    rows, out_features = x.numel() // max(x.shape[-1], 1), weight.shape[0]
+    rows = x.numel() // max(x.shape[-1], 1)
+
+    def on_rows(out: torch.Tensor) -> torch.Tensor:  # a C++ kernel's [rows, out] result in x's leading shape
+        return out.view(*x.shape[:-1], weight.shape[0])
+
     if packed is not None and packed.version == weight._version:
         if packed.layout == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
-        x2d = x.reshape(rows, x.shape[-1]).contiguous()
-        return torch.ops.unified_cpu.panel_linear(x2d, packed.tensor, out_features, bias).view(*x.shape[:-1],
-                                                                                           out_features)
+        return on_rows(torch.ops.unified_cpu.panel_linear(_rows(x, rows), packed.tensor, weight.shape[0], bias))
     if 0 < rows <= SKINNY_MAX_ROWS and weight.is_contiguous() and cpu_ops.available():
-        out = torch.ops.unified_cpu.skinny_linear(x.reshape(rows, -1).contiguous(), weight, bias)
-        return out.view(*x.shape[:-1], out_features)
+        return on_rows(torch.ops.unified_cpu.skinny_linear(_rows(x, rows), weight, bias))
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [..., in] as the contiguous [rows, in] matrix the C++ kernels take."""
+    return x.reshape(rows, x.shape[-1]).contiguous()

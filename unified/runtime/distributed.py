@@ -41,8 +41,8 @@ def init_distributed(accelerator, layout: Layout = Layout()) -> None:
 def shutdown_distributed(wait_for_peers: bool) -> None:
     """Destroys megatron's groups and the default one while the interpreter is still whole. Left to the
     interpreter's teardown, gloo's worker threads can abort the process after the job has finished
-    ("terminate called without an active exception"). `wait_for_peers` (a job that ended normally on
-    every rank) first meets the other ranks at a barrier, so none closes its connections while another
+    ("terminate called without an active exception"). With `wait_for_peers` (this rank's job ended
+    normally) the rank first meets the others at a barrier, so none closes its connections while another
     is still in a collective; a rank that failed does not wait for peers that may never arrive."""
     from megatron.core import parallel_state
 

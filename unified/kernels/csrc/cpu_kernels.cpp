@@ -221,8 +221,9 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const std::op
 // floats, so a register tile of 6 rows x 16 features (12 accumulators, 2 weight vectors, 1 broadcast of
 // the 16 AVX2 registers) reads one contiguous stream of weights. Threads take contiguous panel ranges;
 // rows go in blocks of kPanelRowBlock so the block of x a panel meets stays in L2. No split of k: a
-// panel (k x 64 bytes) is read from L2 at a rate the FMAs keep up with. On our 2-core EPYC this runs at
-// 160-190 GFLOP/s for 1-2048 rows over SmolLM2's weights, against oneDNN's 115-155 on its own packing.
+// panel (k x 64 bytes) is read from L2 at a rate the FMAs keep up with. On our 2-core EPYC, over
+// SmolLM2's weights (bench/matmul.py): 142-192 GFLOP/s for 64 and 2048 rows against oneDNN's 129-162 on
+// its own packing; 1-8 rows are bound by reading the weight, 1.01-1.45x over oneDNN there.
 constexpr int64_t kPanel = 16, kPanelRows = 6, kPanelRowBlock = 264;
 
 at::Tensor pack_panels(const at::Tensor& w) {
