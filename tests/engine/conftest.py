@@ -32,8 +32,9 @@ class TeacherForcing:
 
 
 def generate_all(engine: LLMEngine, prompts, params):
-    """Runs prompts to completion; outputs in prompt order."""
-    ids = [engine.add_request(p, params) for p in prompts]
+    """Runs prompts to completion (`params` one SamplingParams for all, or one each); outputs in prompt order."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     done = {}
     while engine.has_unfinished():
         done.update((o.request_id, o) for o in engine.step())

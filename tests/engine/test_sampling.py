@@ -1,9 +1,11 @@
 """Sampling options, logprobs and request validation through the real engine on a tiny model."""
+import math
+
 import pytest
 import torch
 
 from tests.engine.conftest import assert_no_block_leaks, generate_all, make_engine
-from unified.engine.sampler import _filter
+from unified.engine.sampler import _filter, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.sequence import Sequence
 
@@ -108,3 +110,60 @@ def test_bad_requests_fail_alone(engine, prompt, params, message):
 def test_unknown_sampling_option_is_named():
     with pytest.raises(InvalidRequest, match="unknown sampling option.*beam_width"):
         SamplingParams.from_dict({"beam_width": 4})
+
+
+EXTREMES = [dict(temperature=1e-300), dict(temperature=1e-38), dict(temperature=1e-6), dict(temperature=2.0),
+            dict(temperature=1e300),
+            dict(top_p=1e-300), dict(repetition_penalty=1e-40), dict(repetition_penalty=10.0), dict(min_p=1.0),
+            dict(top_k=1), dict(top_k=10 ** 9), dict(presence_penalty=2.0, frequency_penalty=2.0),
+            dict(presence_penalty=-2.0, frequency_penalty=-2.0)]
+GREEDY_ALIKE = [dict(temperature=1e-300), dict(temperature=1e-38), dict(temperature=1e-6), dict(top_p=1e-300),
+                dict(top_k=1), dict(min_p=1.0)]
+
+
+def _finite_or_minus_inf(value: float) -> bool:
+    return math.isfinite(value) or value == float("-inf")
+
+
+def test_extreme_options_sample_valid_tokens_beside_normal_requests(engine):
+    normal = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8, seed=7, ignore_eos=True)
+    alone = generate_all(engine, [PROMPT], normal)[0].outputs[0].token_ids
+    greedy = generate_all(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    extreme = [SamplingParams(max_tokens=8, seed=k, ignore_eos=True, logprobs=3,
+                              logprobs_mode="processed" if k % 2 else "raw", **options)
+               for k, options in enumerate(EXTREMES)]
+    outputs = generate_all(engine, [PROMPT] * (len(extreme) + 1), [normal] + extreme)
+    assert outputs[0].outputs[0].token_ids == alone
+    for options, out in zip(EXTREMES, outputs[1:]):
+        completion = out.outputs[0]
+        assert out.error is None and completion.finish_reason == "length", options
+        assert len(completion.token_ids) == 8 and all(0 <= t < 160 for t in completion.token_ids), options
+        for entry in completion.logprobs:
+            assert all(_finite_or_minus_inf(lp) for lp in [entry.logprob] + [v for _, v in entry.top]), options
+        if options in GREEDY_ALIKE:
+            assert completion.token_ids == greedy.outputs[0].token_ids, options
+    assert_no_block_leaks(engine)
+
+
+def test_non_finite_logits_are_never_drawn():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[nan, 1.0, 2.0, nan, 0.0, 0.0],
+                           [0.0, inf, -1.0, inf, 0.0, 0.0],
+                           [-inf] * 6,
+                           [nan] * 6])
+    for options in [dict(temperature=1.0), dict(temperature=0.5, top_p=0.5, min_p=0.1, top_k=3),
+                    dict(temperature=0.0, repetition_penalty=1.5)]:
+        for mode in ("raw", "processed"):
+            params = SamplingParams(logprobs=2, logprobs_mode=mode, **options)
+            seqs = [Sequence(str(i), 0, [4, 5], params, seed=i) for i in range(len(logits))]
+            tokens, entries = sample(logits, seqs)
+            assert tokens[0] in (1, 2, 4, 5) and tokens[1] in (1, 3), (options, tokens)
+            assert all(isinstance(t, int) and 0 <= t < 6 for t in tokens), (options, tokens)
+            for entry in entries:
+                values = [entry.logprob] + [v for _, v in entry.top]
+                assert all(_finite_or_minus_inf(v) for v in values), (options, mode)
+
+
+def test_non_finite_temperature_is_refused():
+    with pytest.raises(InvalidRequest, match="temperature"):
+        SamplingParams(temperature=float("inf")).validate()

@@ -3,6 +3,8 @@
 `step()` = schedule -> model runner -> sampler -> postprocess (append tokens, stop checks, free the
 blocks of finished sequences). A request with n > 1 becomes n sequences; its output is complete when
 all of them are. Bad requests raise `InvalidRequest` from `add_request` and leave the engine as it was.
+A failure in one request's share of a step (its sampling, stop check or detokenisation) ends that request
+alone, with `RequestOutput.error`; a failing forward pass fails the step, as it is no one request's fault.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    error: str | None = None  # the request failed in the engine: its outputs end with finish_reason "error"
 
 
 @dataclass
@@ -296,7 +299,9 @@ class LLMEngine:
         """One forward pass; returns the requests that finished in it.
 
         `choose(logits [S, V], seqs) -> (token ids, logprob entries)` picks the next tokens; the default
-        samples, and teacher forcing (scoring given continuations) passes its own.
+        samples, and teacher forcing (scoring given continuations) passes its own. A row's token may be an
+        exception instead, when choosing it failed: that request ends with the error, as it does when its
+        stop check or detokenisation raises, and the step goes on for the others.
         """
         batch = self.scheduler.schedule()
         if not batch:
@@ -309,14 +314,23 @@ class LLMEngine:
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.blocks.register_full_blocks(item.seq)
-        touched = set()
+        outputs: dict[str, RequestOutput] = {}
         for seq, token, entry in zip(sampling, tokens, entries):
-            seq.append(token)
-            if entry is not None:
-                seq.logprobs.append(entry)
-            self._check_stop(seq, token)
-            touched.add(seq.request_id)
-        return [self._pop_output(rid) for rid in touched if self._finished(rid)]
+            request_id = seq.request_id
+            if request_id in outputs:  # another of its n sequences failed earlier in this step
+                continue
+            try:
+                if isinstance(token, Exception):
+                    raise token
+                seq.append(token)
+                if entry is not None:
+                    seq.logprobs.append(entry)
+                self._check_stop(seq, token)
+                if self._finished(request_id):
+                    outputs[request_id] = self._pop_output(request_id)
+            except Exception as err:  # noqa: BLE001 - this request's own failure: end it, step on for the others
+                outputs[request_id] = self._fail(request_id, err)
+        return list(outputs.values())
 
     def _upcoming_images(self, batch) -> list:
         """Images of running and waiting sequences (in the order they run) that the steps after this one need."""
@@ -360,6 +374,23 @@ class LLMEngine:
                                 seq.logprobs if seq.params.logprobs is not None else None)
 
     def _pop_output(self, request_id: str) -> RequestOutput:
+        request = self.requests[request_id]
+        completions = [self._completion(s) for s in request.seqs]  # may raise: the request is still there to fail
+        del self.requests[request_id]
+        return RequestOutput(request_id, request.prompt_token_ids, completions, True,
+                             max(s.num_cached_prompt_tokens for s in request.seqs))
+
+    def _fail(self, request_id: str, err: Exception) -> RequestOutput:
+        """Ends a request whose own share of a step raised, freeing its blocks as an abort does. Its outputs
+        keep their tokens but no text, since detokenising may be what failed. The followers of a
+        distributed engine see it as they see any finished request: its blocks are simply not scheduled again."""
+        log.error("request %s failed and was ended: %s: %s", request_id, type(err).__name__, err, exc_info=err)
         request = self.requests.pop(request_id)
-        return RequestOutput(request_id, request.prompt_token_ids, [self._completion(s) for s in request.seqs],
-                             True, max(s.num_cached_prompt_tokens for s in request.seqs))
+        for seq in request.seqs:
+            self.scheduler.finish(seq, "error")
+        return RequestOutput(request_id, request.prompt_token_ids,
+                             [CompletionOutput(s.index, "", s.output_token_ids, s.finish_reason,
+                                               s.logprobs if s.params.logprobs is not None else None)
+                              for s in request.seqs],
+                             True, max(s.num_cached_prompt_tokens for s in request.seqs),
+                             error=f"{type(err).__name__}: {err}")

@@ -2,16 +2,25 @@
 
 Penalties: `repetition_penalty` as in HF (divide positive logits, multiply negative ones, over prompt
 and output tokens); `presence_penalty` / `frequency_penalty` as in OpenAI (subtracted, over output
-tokens). Then temperature, top-k, top-p and min-p; temperature 0 is greedy. Each sequence draws from
-its own generator, so a seeded request gives the same output whatever else is in the batch.
+tokens). Then temperature, top-k, top-p and min-p; a temperature below GREEDY_BELOW is greedy. Each
+sequence draws from its own generator, so a seeded request gives the same output whatever else is in the batch.
+
+Every option SamplingParams accepts is numerically safe: nan logits are never drawn, +inf ones share all
+the mass, a row with nothing finite left takes the argmax of its raw logits, and the temperature divides
+logits shifted to a maximum of 0, so no value overflows to +inf. A row that raises anyway gets the
+exception in place of its token, and the engine fails that request alone.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from unified.engine.sequence import Sequence
+
+PENALTY_RANGE = (1e-4, 1e4)  # repetition penalties past these act alike, and keep float32 logits finite
+MAX_TEMPERATURE = 1e30  # as uniform as any hotter one, which float32 could make inf (and -inf / inf is nan)
 
 
 @dataclass
@@ -21,33 +30,66 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the k most likely tokens and their logprobs, best first
 
 
-def _penalize(logits: torch.Tensor, seq: Sequence) -> None:
+def _sanitize(logits: torch.Tensor) -> torch.Tensor:
+    """nan is never drawn; +inf entries (an overflow) share all the mass."""
+    logits = logits.masked_fill(logits.isnan(), float("-inf"))
+    top = logits == float("inf")
+    return torch.where(top, 0.0, float("-inf")) if top.any() else logits
+
+
+def _penalize(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     p = seq.params
+    logits = logits.clone()
     if p.repetition_penalty != 1.0:
+        penalty = min(max(p.repetition_penalty, PENALTY_RANGE[0]), PENALTY_RANGE[1])
         ids = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
         picked = logits[ids]
-        logits[ids] = torch.where(picked > 0, picked / p.repetition_penalty, picked * p.repetition_penalty)
+        logits[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
     if (p.presence_penalty or p.frequency_penalty) and seq.output_counts:
         ids = torch.tensor(list(seq.output_counts), dtype=torch.long)
         counts = torch.tensor(list(seq.output_counts.values()), dtype=logits.dtype)
         logits[ids] -= p.presence_penalty + p.frequency_penalty * counts
+    return logits
 
 
 def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    """logits: [V] with at least one finite value -> logits at the temperature, the filtered-out at -inf."""
     p = seq.params
-    logits = logits / p.temperature
+    logits = (logits - logits.max()) / min(p.temperature, MAX_TEMPERATURE)  # <= 0, the best 0: no overflow
     if p.top_k and p.top_k < logits.shape[-1]:
         kth = logits.topk(p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
         sorted_logits, order = logits.sort(descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest set reaching top_p
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs >= p.top_p  # keep the smallest set reaching top_p
+        drop[0] = False  # and the best token, however small top_p (1e-300 is 0 in float32)
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
     if p.min_p > 0:
         probs = logits.softmax(-1)
         logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     return logits
+
+
+def _choose(logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor]:
+    """One row: its token and the logits it was chosen from (for processed logprobs)."""
+    processed = _penalize(logits, seq)
+    best = processed.max().item()  # nan if any is: one pass tells whether the row needs sanitizing
+    if not math.isfinite(best):
+        processed = _sanitize(processed)
+        best = processed.max().item()
+    if best == float("-inf"):  # nothing finite: the model's own preference is all there is
+        return int(logits.argmax()), processed
+    if seq.params.greedy:
+        return int(processed.argmax()), processed
+    processed = _filter(processed, seq)
+    return int(torch.multinomial(processed.softmax(-1), 1, generator=seq.generator)), processed
+
+
+def _log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """log-softmax whose entries are finite or -inf (a row without finite logits would give nan)."""
+    logprobs = logits.log_softmax(-1)
+    return logprobs.masked_fill(logprobs.isnan(), float("-inf"))
 
 
 def _logprob_entry(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
@@ -56,30 +98,23 @@ def _logprob_entry(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
                         list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [S, V] float32, one row per sequence -> (next token ids, logprob entries)."""
-    raw = logits.log_softmax(-1) if any(s.params.logprobs is not None and s.params.logprobs_mode == "raw"
-                                        for s in seqs) else None
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int | Exception], list[TokenLogprob | None]]:
+    """logits: [S, V] float32, one row per sequence -> (next token ids, logprob entries). A row whose
+    sampling raised has the exception in place of its token id."""
+    raw = _log_probs(logits) if any(s.params.logprobs is not None and s.params.logprobs_mode == "raw"
+                                    for s in seqs) else None
     tokens, entries = [], []
     plain_greedy = all(s.params.greedy and s.params.repetition_penalty == 1.0 and not s.params.presence_penalty
                        and not s.params.frequency_penalty for s in seqs)
     greedy_ids = logits.max(-1).indices.tolist() if plain_greedy else None  # max: 2.5x faster than argmax on CPU
     for i, seq in enumerate(seqs):
         p = seq.params
-        if greedy_ids is not None:
-            token, processed = greedy_ids[i], logits[i]
-        else:
-            processed = logits[i].clone()
-            _penalize(processed, seq)
-            if p.greedy:
-                token = int(processed.argmax())
-            else:
-                processed = _filter(processed, seq)
-                token = int(torch.multinomial(processed.softmax(-1), 1, generator=seq.generator))
-        if p.logprobs is None:
-            entries.append(None)
-        else:
-            source = raw[i] if p.logprobs_mode == "raw" else processed.log_softmax(-1)
-            entries.append(_logprob_entry(source, token, p.logprobs))
+        try:
+            token, processed = (greedy_ids[i], logits[i]) if greedy_ids is not None else _choose(logits[i], seq)
+            entry = None if p.logprobs is None else _logprob_entry(
+                raw[i] if p.logprobs_mode == "raw" else _log_probs(processed), token, p.logprobs)
+        except Exception as err:  # noqa: BLE001 - this request's alone: the engine fails it and steps on
+            token, entry = err, None
         tokens.append(token)
+        entries.append(entry)
     return tokens, entries

@@ -6,6 +6,7 @@ actually sampled from (after penalties, temperature, top-k/top-p/min-p).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 
 from unified.errors import UserError
@@ -15,10 +16,13 @@ class InvalidRequest(UserError, ValueError):
     """A request the engine refuses; it affects that request only."""
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as in vLLM): sampling there is one-hot or overflows
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # below GREEDY_BELOW (0 included): greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     min_p: float = 0.0
@@ -50,7 +54,8 @@ class SamplingParams:
 
         need(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         need(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        need(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        need(math.isfinite(self.temperature) and self.temperature >= 0,
+             f"temperature must be a finite number >= 0, got {self.temperature}")
         need(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
         need(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         need(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
@@ -66,4 +71,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW

@@ -3,9 +3,10 @@
 The HTTP side never touches the engine: it posts `add` and `abort` messages to an inbox that the engine
 thread drains between steps, and receives per-request updates (new tokens of each of the n sequences,
 then the final output) on an asyncio queue. The first message a request receives says whether the engine
-accepted it, so a handler can answer 400 before it starts a stream. A request whose consumer goes away
-(client disconnect) is aborted, which frees its KV blocks at the next step boundary. A weight update
-is a message too: it is applied between two steps, while requests stay in flight.
+accepted it, so a handler can answer 400 before it starts a stream. A request that fails (alone, or with
+every other when a step fails) receives an exception instead of its final output. A request whose
+consumer goes away (client disconnect) is aborted, which frees its KV blocks at the next step boundary.
+A weight update is a message too: it is applied between two steps, while requests stay in flight.
 """
 from __future__ import annotations
 
@@ -193,7 +194,9 @@ class EngineLoop:
             final = done.get(request_id)
             if final is not None:
                 del self._streams[request_id]
-            if deltas or final is not None:
+            if final is not None and final.error is not None:  # it failed alone; the engine logged why
+                by_loop.setdefault(stream.loop, []).append((stream.queue, RuntimeError(final.error)))
+            elif deltas or final is not None:
                 by_loop.setdefault(stream.loop, []).append((stream.queue, Update(deltas, final)))
         for loop, items in by_loop.items():
             loop.call_soon_threadsafe(_deliver, items)
@@ -215,6 +218,6 @@ class EngineLoop:
         self._streams.clear()
 
 
-def _deliver(items: list[tuple[asyncio.Queue, Update]]) -> None:
+def _deliver(items: list[tuple[asyncio.Queue, Update | Exception]]) -> None:
     for q, update in items:
         q.put_nowait(update)
