@@ -82,3 +82,28 @@ def test_batch_with_images(tmp_path, tiny_vl_chat_checkpoint):
     assert records["path"]["text"] == records["data-url"]["text"]  # the same image, as a file or a data URL
     assert records["path"]["usage"]["prompt_tokens"] > records["text"]["usage"]["prompt_tokens"]
     assert "3 skipped for errors" in result.stdout
+
+
+def test_batch_resume_ends_a_last_line_that_lost_only_its_newline(tmp_path, tiny_chat_checkpoint):
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "prompt": "Hi", "max_tokens": 2}) + "\n" for i in "abc"))
+    # A previous run that crashed after two results, the second written but for its newline.
+    target.write_text("".join(json.dumps({"id": i, "text": " kept", "finish_reason": "length"}) + "\n" for i in "ab")
+                      .removesuffix("\n"))
+    result = run_cli("recipe=batch", f"model={tiny_chat_checkpoint}", f"input={source}", f"output={target}", *ENGINE)
+    assert result.returncode == 0, result.stderr
+    assert "2 already done" in result.stdout
+    records = _lines(target)
+    assert [r["id"] for r in records] == ["a", "b", "c"]
+    assert records[1]["text"] == " kept"
+
+
+def test_batch_resume_keeps_results_after_a_line_that_is_not_a_record(tmp_path, tiny_chat_checkpoint):
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "prompt": "Hi", "max_tokens": 2}) + "\n" for i in "abc"))
+    a, b = (json.dumps({"id": i, "text": " kept", "finish_reason": "length"}) for i in "ab")
+    before = f"{a}{b}\n{b}\n"  # two records on one line, as an earlier version could leave: no crash tears a line there
+    target.write_text(before)
+    result = run_cli("recipe=batch", f"model={tiny_chat_checkpoint}", f"input={source}", f"output={target}", *ENGINE)
+    assert result.returncode == 2 and f"error: {target}:1 is not a result line" in result.stderr, result.stderr
+    assert target.read_text() == before

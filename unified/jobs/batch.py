@@ -6,9 +6,9 @@ Each input line is a JSON object with `messages` (chat) or `prompt` (raw text or
 or data URL>}` or `{"type": "image_url", "image_url": {"url": <data URL>}}`; relative paths are read from
 the input file's folder (the input is the user's own, so unlike the server, paths are fine). Results
 are appended to the output as each request finishes, one flushed line each, so a rerun after a crash
-skips the ids already written (a half-written last line is dropped and redone). A malformed line is
-reported with its line number and skipped, as is a line with an image that cannot be used; the others
-still run.
+skips the ids already written (a half-written last line is dropped and redone; a whole one that lost only
+its newline is kept). A malformed input line is reported with its line number and skipped, as is a line
+with an image that cannot be used; the others still run.
 """
 from __future__ import annotations
 
@@ -25,19 +25,29 @@ REQUEST_KEYS = ("id", "messages", "prompt")
 
 
 def _completed_ids(output: Path) -> set[str]:
-    """Ids already in `output`; truncates a torn last line left by a crash."""
+    """Ids already in `output`. A crash can leave the last line torn (truncated here; its request is redone)
+    or whole but without its newline (ended here, so that the next record starts a line of its own). Any
+    other line that is not a record was not left by a crash, and the results after it are not thrown away
+    with it: the run stops, naming it."""
     if not output.exists():
         return set()
-    done, keep = set(), 0
+    done, keep, ended = set(), 0, True
     with output.open("rb") as f:
-        for raw in f:
+        for lineno, raw in enumerate(f, start=1):
             try:
                 done.add(str(json.loads(raw)["id"]))
-            except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as err:
+                if f.read(1):
+                    raise UserError(f"{output}:{lineno} is not a result line with an 'id' ({err!r}); fix or "
+                                    f"remove that line and rerun") from None
                 break
             keep += len(raw)
+            ended = raw.endswith(b"\n")
     with output.open("r+b") as f:
         f.truncate(keep)
+        if not ended:
+            f.seek(keep)
+            f.write(b"\n")
     return done
 
 
