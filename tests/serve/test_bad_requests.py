@@ -21,7 +21,7 @@ CASES = [
     ("not an object", CHAT, lambda s: b'[1, 2]', 400, "valid dictionary"),
     ("wrong type", CHAT, lambda s: _chat(s, temperature="hot"), 400, "temperature"),
     ("wrong type nested", CHAT, lambda s: _chat(s, messages=[{"role": "user", "content": 5}]), 400, "messages"),
-    ("unknown field", CHAT, lambda s: _chat(s, tools=[]), 400, "unknown field 'tools'"),
+    ("unknown field", CHAT, lambda s: _chat(s, functionz=[]), 400, "unknown field 'functionz'"),
     ("unknown role", CHAT, lambda s: _chat(s, messages=[{"role": "robot", "content": "x"}]), 400, "role"),
     ("missing messages", CHAT, lambda s: {"model": s.model_name}, 400, "messages"),
     ("no messages", CHAT, lambda s: _chat(s, messages=[]), 400, "messages"),
@@ -43,6 +43,41 @@ CASES = [
     ("empty prompt", COMPLETIONS, lambda s: {"model": s.model_name, "prompt": ""}, 400, "empty"),
     ("token id outside the vocabulary", COMPLETIONS, lambda s: {"model": s.model_name, "prompt": [10 ** 6]}, 400, "token ids"),
     ("body too large", COMPLETIONS, lambda s: {"model": s.model_name, "prompt": "x" * 70000}, 413, "serve.max_body_bytes"),
+    # Token ids are checked before anything uses them: echo decodes the prompt, the sampler compares stop ids.
+    ("huge token id with echo", COMPLETIONS,
+     lambda s: {"model": s.model_name, "prompt": [1, 2, 4152840609367], "echo": True}, 400, "token id 4152840609367"),
+    ("negative token id", COMPLETIONS, lambda s: {"model": s.model_name, "prompt": [1, -2]}, 400, "prompt"),
+    ("token id outside the vocabulary in a batch", COMPLETIONS,
+     lambda s: {"model": s.model_name, "prompt": [[1, 2], [3, 10 ** 6]], "echo": True}, 400, "prompt[1]"),
+    ("stop token id past int64", CHAT, lambda s: _chat(s, stop_token_ids=[2 ** 70]), 400, "stop_token_ids"),
+    ("negative stop token id", CHAT, lambda s: _chat(s, stop_token_ids=[-3]), 400, "stop_token_ids"),
+    ("stop token id outside the vocabulary", CHAT, lambda s: _chat(s, stop_token_ids=[10 ** 12]), 400,
+     "stop_token_ids"),
+    ("top_k past int64", CHAT, lambda s: _chat(s, top_k=2 ** 70), 400, "top_k"),
+    # Bodies that cannot be read at all still get the OpenAI error shape.
+    ("invalid UTF-8", CHAT, lambda s: b'{"model": "x", "messages": "\xff\xfe"}', 400, "not valid UTF-8"),
+    ("JSON nested 100k deep", CHAT, lambda s: b"[" * 60000 + b"]" * 60000, 413, "serve.max_body_bytes"),
+    ("JSON nested too deep", CHAT, lambda s: b'{"a": ' + b"[" * 20000 + b"]" * 20000 + b"}", 400, "nested too deeply"),
+    ("lone surrogate", CHAT, lambda s: json.dumps(_chat(s, messages=[{"role": "user", "content": "a\ud800b"}])).encode(),
+     400, "lone UTF-16 surrogate"),
+    ("lone surrogate in a prompt", COMPLETIONS,
+     lambda s: json.dumps({"model": s.model_name, "prompt": "\udfff"}).encode(), 400, "prompt holds a lone"),
+    ("constrained decoding", CHAT, lambda s: _chat(s, response_format={"type": "json_object"}), 400,
+     "constrained decoding"),
+    ("json_schema response format", COMPLETIONS, lambda s: {"model": s.model_name, "prompt": "x", "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, 400, "constrained decoding"),
+    ("tools on a template without tools", CHAT, lambda s: _chat(s, tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object"}}}]), 400, "does not render tools"),
+    ("tool_choice required", CHAT, lambda s: _chat(s, tool_choice="required", tools=[{"type": "function", "function": {
+        "name": "f"}}]), 400, "constrained decoding"),
+    ("tool message without its call id", CHAT, lambda s: _chat(s, messages=[{"role": "tool", "content": "x"}]), 400,
+     "tool_call_id"),
+    ("best_of below n", COMPLETIONS, lambda s: {"model": s.model_name, "prompt": "x", "n": 3, "best_of": 2}, 400,
+     "best_of=2 must be at least n=3"),
+    ("best_of streamed", COMPLETIONS,
+     lambda s: {"model": s.model_name, "prompt": "x", "best_of": 2, "stream": True}, 400, "cannot stream"),
+    ("best_of over the limit", COMPLETIONS, lambda s: {"model": s.model_name, "prompt": "x", "best_of": 5}, 400,
+     "serve.max_n"),
 ]
 
 
@@ -58,6 +93,15 @@ def test_bad_request_is_refused_clearly(server, name, path, body, status, words)
     assert error["type"] and "Traceback" not in response.text
 
 
+@pytest.mark.parametrize("method,path,status", [("GET", "/v1/nothing", 404), ("POST", "/v2/completions", 404),
+                                                ("DELETE", "/v1/completions", 405), ("POST", "/health", 405)])
+def test_unknown_routes_and_methods_answer_in_the_openai_shape(server, method, path, status):
+    response = httpx.request(method, server.base_url + path, timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert path in error["message"] and "/openapi.json" in error["message"], error
+
+
 def test_server_keeps_serving_after_bad_requests(server):
     for _ in range(2):
         httpx.post(server.base_url + CHAT, content=b"{", timeout=30)
@@ -69,4 +113,24 @@ def test_server_keeps_serving_after_bad_requests(server):
 def test_openapi_document_describes_the_routes(server):
     document = httpx.get(server.base_url + "/openapi.json", timeout=30).json()
     assert document["openapi"].startswith("3.")
-    assert {CHAT, COMPLETIONS, "/v1/models", "/health", "/metrics"} <= set(document["paths"])
+    paths = document["paths"]
+    assert {CHAT, COMPLETIONS, "/v1/models", "/v1/models/{model}", "/health", "/metrics"} <= set(paths)
+    for path in (CHAT, COMPLETIONS):
+        responses = paths[path]["post"]["responses"]
+        assert "422" not in responses, "the server answers validation errors with 400"
+        assert {"200", "400", "401", "404", "413", "503"} <= set(responses), responses.keys()
+        assert responses["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+        ok = responses["200"]["content"]
+        assert ok["application/json"]["schema"]["$ref"].endswith(("/ChatCompletion", "/Completion"))
+        assert "text/event-stream" in ok
+    for path, ops in paths.items():
+        for op in ops.values():
+            for status, response in op["responses"].items():
+                for media in response.get("content", {}).values():
+                    assert media["schema"] != {}, f"{path} {status}: an empty schema checks nothing"
+    assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    assert "HTTPValidationError" not in document["components"]["schemas"]
+    # The document states this server's own limits, so that what it generates is what the server takes.
+    request = document["components"]["schemas"]["ChatCompletionRequest"]["properties"]
+    assert request["model"]["enum"] == [server.model_name] and request["n"]["maximum"] == 4
+    assert request["messages"]["maxItems"] == 8

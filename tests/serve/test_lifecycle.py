@@ -48,6 +48,9 @@ def test_start_up_auth_answer_and_graceful_shutdown(smollm2_checkpoint):
         assert httpx.post(url, json=chat, timeout=60).status_code == 401
         assert httpx.post(url, json=chat, headers={"Authorization": "Bearer wrong"}, timeout=60).status_code == 401
         assert httpx.get(server.base_url + "/health", timeout=10).status_code == 200  # probes need no key
+        for scheme in ("bearer", "BEARER"):  # the scheme name is case-insensitive
+            models = httpx.get(server.base_url + "/v1/models", headers={"Authorization": f"{scheme} {KEY}"}, timeout=10)
+            assert models.status_code == 200, models.text
         answer = httpx.post(url, json=chat, headers=AUTH, timeout=60)
         assert answer.status_code == 200, answer.text
         assert "Paris" in answer.json()["choices"][0]["message"]["content"]

@@ -1,10 +1,11 @@
-"""The server through the official `openai` client: chat and completions, streaming, logprobs, n > 1, seeds."""
+"""The server through the official `openai` client: chat and completions, streaming, logprobs, n > 1, seeds,
+batches of prompts, best_of, response formats, tool messages, model cards."""
 from __future__ import annotations
 
 import math
 
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI
 
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
 
@@ -117,3 +118,55 @@ def test_chat_answers_with_the_model_chat_template(client, server):
                   {"role": "assistant", "content": "Hello!"},
                   {"role": "user", "content": [{"type": "text", "text": "Again"}]}], user="tester")
     assert response.usage.prompt_tokens > 20  # the template's role markers are in the prompt
+
+
+def test_models_retrieve(client, server):
+    card = client.models.retrieve(server.model_name)
+    assert card.id == server.model_name and card.object == "model"
+    with pytest.raises(NotFoundError):
+        client.models.retrieve("gpt-17")
+
+
+def test_a_batch_of_prompts_gets_n_choices_each(client, server):
+    options = dict(model=server.model_name, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    texts = ["The sky is", "Numbers: 1, 2,", "Hello"]
+    batch = client.completions.create(prompt=texts, n=2, **options)
+    assert [c.index for c in batch.choices] == list(range(6))
+    alone = [client.completions.create(prompt=t, **options).choices[0].text for t in texts]
+    assert [c.text for c in batch.choices] == [a for a in alone for _ in range(2)]  # greedy: both samples agree
+    assert batch.usage.completion_tokens == 6 * 4
+    ids = client.completions.create(prompt=[[1, 2, 3], [4, 5]], **options)
+    assert len(ids.choices) == 2 and ids.usage.prompt_tokens == 5
+    streamed = {}
+    for chunk in client.completions.create(prompt=texts, stream=True, **options):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+    assert [streamed[i] for i in range(3)] == alone
+
+
+def test_best_of_returns_the_most_likely_samples(client, server):
+    options = dict(model=server.model_name, prompt="Once upon a time", max_tokens=6, seed=3,
+                   extra_body={"ignore_eos": True})
+    best = client.completions.create(best_of=4, n=1, **options)
+    assert len(best.choices) == 1 and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == 4 * 6  # every sample was generated
+    every = client.completions.create(n=4, logprobs=0, **options)  # the same seed: the same four samples
+
+    def mean(choice) -> float:
+        return sum(choice.logprobs.token_logprobs) / len(choice.logprobs.token_logprobs)
+
+    assert best.choices[0].text == max(every.choices, key=mean).text
+
+
+def test_response_format_text_and_tool_messages_are_accepted(client, server):
+    answer = client.chat.completions.create(model=server.model_name, messages=MESSAGES, max_tokens=3,
+                                            response_format={"type": "text"})
+    assert answer.choices[0].message.content is not None
+    with pytest.raises(BadRequestError, match="constrained decoding"):
+        client.chat.completions.create(model=server.model_name, messages=MESSAGES, max_tokens=3,
+                                       response_format={"type": "json_object"})
+    call = {"id": "call_1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "colours"}'}}
+    conversation = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "red, green, blue"}]
+    answer = client.chat.completions.create(model=server.model_name, messages=conversation, max_tokens=3)
+    assert answer.choices[0].finish_reason == "length"

@@ -59,7 +59,8 @@ class ServeConfig:
     max_image_bytes: int = 10 * 2 ** 20
     max_tokens: int = 4096  # the largest max_tokens a request may ask for
     default_max_tokens: int = 512  # when a chat request gives none (capped by the context left)
-    max_n: int = 8
+    max_n: int = 8  # samples per prompt (n, and best_of)
+    max_prompts: int = 64  # prompts in one completions request (a batch of texts or token-id lists)
     max_messages: int = 256
     warm_up: bool = True  # run representative batch shapes before reporting ready
     retry_after_s: int = 5  # Retry-After sent with 503 while starting

@@ -47,14 +47,16 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
                      _eos_ids(tokenizer, path), processor)
 
 
-def chat_prompt(tokenizer, messages: list[dict], image_marker: str | None = None) -> list[int]:
+def chat_prompt(tokenizer, messages: list[dict], image_marker: str | None = None,
+                tools: list[dict] | None = None) -> list[int]:
     """Token ids of a conversation under the model's chat template. A message's `content` may be a string
     or a list of parts: {"type": "text", "text": ...} and {"type": "image", ...} (whatever carries the
-    image), each image written as `image_marker`, the model's text for one image."""
+    image), each image written as `image_marker`, the model's text for one image. `tools` (OpenAI function
+    definitions) go to the template as its `tools` variable."""
     messages = [{**m, "content": flatten_content(m["content"], image_marker)} for m in messages]
     if not tokenizer.chat_template:
         return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 

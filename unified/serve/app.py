@@ -17,13 +17,16 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException
 
 from unified.serve.conversation_log import ConversationLog
 from unified.serve.errors import APIError
 from unified.serve.metrics import ServerMetrics
 from unified.serve.online_api import router as online_router
 from unified.serve.openai_api import router as openai_router
+from unified.serve.responses import Health, describe_limits, documented
 from unified.serve.startup import Startup
 
 log = logging.getLogger(__name__)
@@ -57,14 +60,16 @@ def _error_response(err: APIError) -> JSONResponse:
 
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     # Of a union's branches (content: a string or a list of parts) the deepest error is the one that matters.
-    first = max(err.errors(), key=lambda e: len(e.get("loc", ())))
+    # At equal depth, a broken bound says more than the type mismatch of a union's other branches.
+    first = max(err.errors(), key=lambda e: (len(e.get("loc", ())), not str(e.get("type")).endswith("_type")))
     where = [str(p) for p in first.get("loc", ()) if p != "body" and "[" not in str(p)]
     if first.get("type") == "json_invalid":
         return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     if first.get("type") == "extra_forbidden":
         return f"unknown field {'.'.join(where)!r}; see the OpenAPI document at /openapi.json", where[-1] if where else None
     field = ".".join(where) or "body"
-    return f"{field}: {first.get('msg')}", where[0] if where else None
+    message = str(first.get("msg")).removeprefix("Value error, ")
+    return f"{field}: {message}", where[0] if where else None
 
 
 class Guards:
@@ -99,8 +104,10 @@ class Guards:
         if not length.isdigit() or int(length) > self._body_limit(path):
             return self._too_large(path)
         if self.state.api_key and path.startswith("/v1/"):
-            given = headers.get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.state.api_key}".encode()):
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            expected = self.state.api_key.encode()
+            # The scheme name is case-insensitive (RFC 9110 11.1); the token is compared in constant time.
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), expected)):
                 return APIError("missing or wrong API key: send 'Authorization: Bearer <key>'", status=401,
                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         return None
@@ -141,6 +148,28 @@ _CHAT = "/v1/chat/completions"
 
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/feedback", "/v1/admin/reload_weights",
               "/health", "/metrics", "/"}
+_HTTP_ERRORS = {404: ("not_found", "there is no route {method} {path}; the OpenAPI document at /openapi.json lists them"),
+                405: ("method_not_allowed", "{path} does not take {method}; the OpenAPI document at /openapi.json "
+                                            "lists what it takes")}
+
+
+def _http_error(request: Request, err: HTTPException) -> APIError:
+    """Starlette's own errors (no route, wrong method, an unreadable body) in the OpenAI shape."""
+    if err.status_code in _HTTP_ERRORS:
+        code, message = _HTTP_ERRORS[err.status_code]
+        return APIError(message.format(method=request.method, path=request.url.path), status=err.status_code,
+                        code=code, headers=err.headers)
+    if err.status_code == 400:  # FastAPI could not decode the body: its cause says why
+        cause = err.__cause__
+        if isinstance(cause, UnicodeDecodeError):
+            why = f"it is not valid UTF-8 (byte {cause.start})"
+        elif isinstance(cause, RecursionError):
+            why = "its JSON is nested too deeply"
+        else:
+            why = f"{err.detail}"
+        return APIError(f"the body could not be read: {why}; send a UTF-8 JSON object", code="invalid_body")
+    return APIError(str(err.detail), status=err.status_code, headers=err.headers,
+                    type="invalid_request_error" if err.status_code < 500 else "server_error")
 
 
 def create_app(cfg) -> FastAPI:
@@ -158,6 +187,16 @@ def create_app(cfg) -> FastAPI:
     app = FastAPI(title="unified", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible serving of the shared model definition.")
     app.state.server = state
+    app.openapi_schema = None
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = describe_limits(get_openapi(title=app.title, version=app.version,
+                                                             description=app.description, routes=app.routes),
+                                                 state.model_name, state.limits)
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.add_middleware(Guards, state=state)
     app.include_router(openai_router)
     app.include_router(online_router)
@@ -171,13 +210,17 @@ def create_app(cfg) -> FastAPI:
         message, param = _validation_message(err)
         return _error_response(APIError(message, param=param))
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, err: HTTPException):
+        return _error_response(_http_error(request, err))
+
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception):
         log.exception("unhandled error on %s", request.url.path)
         return _error_response(APIError(f"internal error ({type(err).__name__}); the server log has details",
                                         status=500, type="server_error"))
 
-    @app.get("/health")
+    @app.get("/health", responses={**documented(Health), 503: {"model": Health, "description": "not ready yet"}})
     async def health():
         report = state.startup.report()
         if state.startup.ready:
@@ -186,22 +229,15 @@ def create_app(cfg) -> FastAPI:
             return JSONResponse(report)
         return JSONResponse(report, status_code=503, headers={"Retry-After": str(cfg.serve.retry_after_s)})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus text exposition format",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "unified", "max_model_len": _context(state)}]}
+        return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/", response_class=HTMLResponse)
     async def playground():
         return HTMLResponse(resources.files("unified.serve").joinpath("static/index.html").read_text())
 
     return app
-
-
-def _context(state: ServerState) -> int | None:
-    return state.startup.loop.engine.max_model_len if state.startup.ready else None
 

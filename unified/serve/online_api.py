@@ -17,12 +17,13 @@ from unified.errors import UserError
 from unified.serve.conversation_log import UnknownConversation
 from unified.serve.errors import APIError
 from unified.serve.protocol import FeedbackRequest, ReloadWeightsRequest
+from unified.serve.responses import Feedback, WeightsReloaded, documented
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 
 
-@router.post("/v1/feedback")
+@router.post("/v1/feedback", responses=documented(Feedback, 400, 401, 404, 409, 413))
 async def feedback(body: FeedbackRequest, request: Request):
     server = request.app.state.server
     if server.conversations is None:
@@ -40,7 +41,7 @@ async def feedback(body: FeedbackRequest, request: Request):
             "created": record["created"]}
 
 
-@router.post("/v1/admin/reload_weights")
+@router.post("/v1/admin/reload_weights", responses=documented(WeightsReloaded, 400, 401, 403, 409, 413, 503))
 async def reload_weights(body: ReloadWeightsRequest, request: Request):
     server = request.app.state.server
     if not server.limits.allow_weight_reload:

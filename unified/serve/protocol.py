@@ -3,22 +3,62 @@
 Models are strict and closed: a wrong type or an unknown field is a 400 that names it, as the OpenAI API
 does. Fields the reference documents but we do not implement are absent, so they are refused by name
 rather than silently ignored. Engine options OpenAI lacks (`top_k`, `min_p`, `repetition_penalty`,
-`ignore_eos`, `stop_token_ids`) are accepted as extra body fields, as in vLLM. The bodies of our own
-routes (feedback, weight reload) follow the same rules.
+`ignore_eos`, `stop_token_ids`) are accepted as extra body fields, as in vLLM. Integers that reach a
+tensor (token ids, top_k) are bounded here, so no request can overflow one. Text must be valid Unicode:
+JSON may carry a lone UTF-16 surrogate, which no tokenizer can encode. The bodies of our own routes
+(feedback, weight reload) follow the same rules.
 """
 from __future__ import annotations
 
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 
 SEED_LIMIT = 2 ** 62
+INT32_MAX = 2 ** 31 - 1
+# JSON Schema counts 2.0 as an integer, so the strict models take integral numbers written as floats too.
+Int = Annotated[int, BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)]
+TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
+PromptTokenId = Annotated[Int, Field(ge=0)]
+
+
+def _lone_surrogate(value, where: str) -> str | None:
+    """The path of the first string under `value` holding a lone surrogate, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            found = _lone_surrogate(key, where) or _lone_surrogate(item, f"{where}.{key}" if where else str(key))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found = _lone_surrogate(item, f"{where}[{i}]")
+            if found:
+                return found
+    return None
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class _Request(_Body):
+    """A route's whole body: its text is checked once, here, before any field is used."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data):
+        where = _lone_surrogate(data, "")
+        if where:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff alone), which is not valid "
+                             f"Unicode text; send valid UTF-8")
+        return data
 
 
 class StreamOptions(_Body):
@@ -43,36 +83,104 @@ class ImagePart(_Body):
 ContentPart = Annotated[Union[TextPart, ImagePart], Field(discriminator="type")]
 
 
-class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[ContentPart]
+class FunctionCall(_Body):
+    name: str
+    arguments: str = Field(description="the arguments as a JSON object, encoded as a string")
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class _Message(_Body):
     name: str | None = None
 
 
-class _Sampling(_Body):
+class PromptMessage(_Message):
+    role: Literal["system", "developer", "user"]
+    content: str | list[ContentPart]
+
+
+class AssistantMessage(_Message):
+    role: Literal["assistant"]
+    content: str | list[ContentPart] | None = Field(None, description="may be left out when tool_calls are given")
+    tool_calls: list[ToolCall] | None = Field(None, description="the tools it called")
+
+    @model_validator(mode="after")
+    def _says_something(self):
+        if self.content is None and not self.tool_calls:
+            raise ValueError("an assistant message needs content or tool_calls")
+        return self
+
+
+class ToolMessage(_Message):
+    role: Literal["tool"]
+    content: str | list[ContentPart]
+    tool_call_id: str = Field(description="the call this result answers")
+
+
+Message = Annotated[Union[PromptMessage, AssistantMessage, ToolMessage], Field(discriminator="role")]
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema object")
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
+class _Sampling(_Request):
     model: str
-    n: int = Field(1, ge=1)
+    n: Int = Field(1, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    stop: str | list[str] | None = Field(None, description="up to 16 strings; the text stops before the first")
-    seed: int | None = Field(None, ge=0, le=SEED_LIMIT)
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = Field(
+        None, description="up to 16 strings; the text stops before the first")
+    seed: Int | None = Field(None, ge=0, le=SEED_LIMIT)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = Field(None, description="only type 'text' until constrained "
+                                                                     "decoding exists")
     # Engine options beyond the OpenAI reference.
-    top_k: int = Field(0, ge=0)
+    top_k: Int = Field(0, ge=0, le=INT32_MAX, description="0: off")
     min_p: float = Field(0.0, ge=0, le=1)
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = Field(default_factory=list, max_length=64)
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    def check_supported(self) -> None:
+        if self.response_format is not None and self.response_format.type != "text":
+            raise InvalidRequest(f"response_format {self.response_format.type!r} needs constrained decoding, which "
+                                 f"this server does not have yet; send response_format {{\"type\": \"text\"}} "
+                                 f"or leave it out, and ask for JSON in the prompt")
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None, n: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stop) > 16:
-            raise InvalidRequest(f"stop holds {len(stop)} strings; send at most 16")
-        params = SamplingParams(n=self.n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+        params = SamplingParams(n=n or self.n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                 min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                 seed=self.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=self.stop_token_ids,
@@ -83,10 +191,13 @@ class _Sampling(_Body):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI in favour of max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1, description="deprecated by OpenAI in favour of max_completion_tokens")
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -96,12 +207,28 @@ class ChatCompletionRequest(_Sampling):
             raise InvalidRequest("top_logprobs needs logprobs: true")
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.tool_choice is not None and not self.tools:
+            raise InvalidRequest("tool_choice needs tools")
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            raise InvalidRequest("tool_choice 'required' or a named function needs constrained decoding, which "
+                                 "this server does not have yet; send tool_choice 'auto' (the model decides) "
+                                 "or 'none'")
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise InvalidRequest("two tools have the same function name; give each a name of its own")
+
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] = Field(description="text, or token ids")
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    # The handler checks token ids against the vocabulary, which it knows.
+    prompt: str | list[str] | list[PromptTokenId] | list[list[PromptTokenId]] = Field(
+        description="text, token ids, or a batch of either (each prompt gets its own n choices)")
+    max_tokens: Int | None = Field(16, ge=1)
+    logprobs: Int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    best_of: Int | None = Field(None, ge=1, description="samples per prompt; the n with the highest mean "
+                                                        "log-probability per token are returned")
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
@@ -109,13 +236,33 @@ class CompletionRequest(_Sampling):
     def logprobs_k(self) -> int | None:
         return self.logprobs
 
+    @property
+    def samples(self) -> int:
+        return self.best_of or self.n
 
-class FeedbackRequest(_Body):
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidRequest(f"best_of={self.best_of} must be at least n={self.n}")
+        if self.stream and self.samples > self.n:
+            raise InvalidRequest("best_of > n cannot stream: the best samples are known only at the end; "
+                                 "send stream: false")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: one text or token-id list each."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if self.prompt and isinstance(self.prompt[0], (str, list)):
+            return list(self.prompt)
+        return [list(self.prompt)]
+
+
+class FeedbackRequest(_Request):
     id: str = Field(min_length=1, description="the `id` of a chat completion this server answered")
     accepted: bool
     comment: str | None = None
 
 
-class ReloadWeightsRequest(_Body):
+class ReloadWeightsRequest(_Request):
     path: str = Field(min_length=1, description="a checkpoint folder of the served architecture that every rank "
                                                 "can read")
