@@ -167,3 +167,10 @@ def test_non_finite_logits_are_never_drawn():
 def test_non_finite_temperature_is_refused():
     with pytest.raises(InvalidRequest, match="temperature"):
         SamplingParams(temperature=float("inf")).validate()
+
+
+@pytest.mark.parametrize("stop_ids", [[2 ** 70], [-3], [10 ** 12], [160]])
+def test_stop_token_ids_outside_the_vocabulary_are_refused(engine, stop_ids):
+    with pytest.raises(InvalidRequest, match=r"stop_token_ids must be token ids in \[0, 160\)"):
+        engine.add_request(PROMPT, SamplingParams(max_tokens=2, stop_token_ids=stop_ids))
+    assert not engine.has_unfinished()

@@ -258,8 +258,11 @@ class LLMEngine:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens, more than engine.max_num_batched_tokens="
                                  f"{self.cfg.max_num_batched_tokens} with chunked prefill off")
         placeholder = self.config.image_token_id if multimodal is not None else None
-        if any(not 0 <= t < self.config.vocab_size for t in ids if t != placeholder):
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.config.vocab_size})")
+        vocab = self.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids if t != placeholder):
+            raise InvalidRequest(f"prompt token ids must be in [0, {vocab})")
+        if any(not (isinstance(t, int) and 0 <= t < vocab) for t in params.stop_token_ids):
+            raise InvalidRequest(f"stop_token_ids must be token ids in [0, {vocab}), got {params.stop_token_ids}")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")

@@ -93,6 +93,8 @@ def _record(output: RequestOutput) -> dict:
                         "completion_tokens": sum(len(o.token_ids) for o in output.outputs)}}
     if len(output.outputs) > 1:
         record["outputs"] = [{"text": o.text, "finish_reason": o.finish_reason} for o in output.outputs]
+    if output.error is not None:  # this request failed alone; the others went on
+        record["error"] = output.error
     if first.logprobs is not None:
         record["logprobs"] = [[{"token_id": e.token_id, "logprob": e.logprob, "top": e.top} for e in o.logprobs]
                               for o in output.outputs]

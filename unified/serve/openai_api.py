@@ -343,6 +343,12 @@ async def _stream(group: _Group, fmt, choices: list[_Choice], tokenizer, timer: 
     except APIError as err:  # the headers are sent: the error travels as an event, then the stream ends
         yield _sse({"error": err.body()["error"]}, False)
         yield "data: [DONE]\n\n"
+    except Exception as err:  # noqa: BLE001 - a bug in this request's own text (its detokenisation, say)
+        log.exception("stream %s failed", fmt.id)
+        failure = APIError(f"internal error ({type(err).__name__}); the server log has details", status=500,
+                           type="server_error")
+        yield _sse({"error": failure.body()["error"]}, False)
+        yield "data: [DONE]\n\n"
     finally:
         if any(final is None for final in finals):
             group.abort()
