@@ -152,6 +152,36 @@ def test_bad_images_fail_their_request_only(vl, tiny_checkpoint):
         text_engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), images=[picture(1)])
 
 
+def test_images_the_tower_fails_on_fail_their_request_only(vl):
+    """A request whose images the vision tower raises on (batched with others, then alone) ends with the
+    error; the requests in the same steps finish as they would alone."""
+    loaded, processor = vl("llava")
+    params = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0)
+    alone = engine_for(loaded, processor)
+    alone.add_request(prompt(1, 1), params, "good", images=[picture(1)])
+    expected = [o for _ in range(4) for o in alone.step()][0].outputs[0].token_ids
+
+    engine = engine_for(loaded, processor)
+    engine.add_request(prompt(1, 1), params, "good", images=[picture(1)])
+    engine.add_request(prompt(2, 1), params, "poisoned", images=[picture(2)])
+    poison = engine.requests["poisoned"].seqs[0].multimodal.images[0].pixel_values
+    encode = engine.runner._encode
+
+    def refusing(pixels, grid):
+        if any(torch.equal(image, poison) for image in pixels):
+            raise RuntimeError("the tower cannot take this image")
+        return encode(pixels, grid)
+
+    engine.runner._encode = refusing
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update((o.request_id, o) for o in engine.step())
+    assert outputs["good"].error is None and outputs["good"].outputs[0].token_ids == expected
+    assert "cannot take this image" in outputs["poisoned"].error
+    assert outputs["poisoned"].outputs[0].finish_reason == "error"
+    assert_no_block_leaks(engine)
+
+
 def _png_bytes(image: Image.Image) -> bytes:
     import io
 

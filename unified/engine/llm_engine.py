@@ -20,7 +20,7 @@ from megatron.core import parallel_state
 
 from unified.engine.block_manager import BlockManager
 from unified.engine.kv_cache import CacheShape, KVCache, kv_bits_of
-from unified.engine.model_runner import ModelRunner
+from unified.engine.model_runner import ImagesFailed, ModelRunner
 from unified.engine.multimodal import MultimodalPrompt, multimodal_prompt
 from unified.engine.sampler import TokenLogprob, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
@@ -304,12 +304,19 @@ class LLMEngine:
         `choose(logits [S, V], seqs) -> (token ids, logprob entries)` picks the next tokens; the default
         samples, and teacher forcing (scoring given continuations) passes its own. A row's token may be an
         exception instead, when choosing it failed: that request ends with the error, as it does when its
-        stop check or detokenisation raises, and the step goes on for the others.
+        stop check or detokenisation raises, or the vision tower fails on its images, and the step goes on
+        for the others.
         """
         batch = self.scheduler.schedule()
+        outputs: dict[str, RequestOutput] = {}
+        try:
+            logits = self.runner.execute(batch) if batch else None
+        except ImagesFailed as failure:  # the step goes on without the requests whose images the tower refuses
+            outputs = {request_id: self._fail(request_id, failure.error) for request_id in failure.request_ids}
+            batch = [item for item in batch if item.seq.request_id not in failure.request_ids]
+            logits = self.runner.execute(batch) if batch else None
         if not batch:
-            return []
-        logits = self.runner.execute(batch)
+            return list(outputs.values())
         if self.runner.prefetches:  # while the forward is in flight on an accelerator
             self.runner.prefetch_images(self._upcoming_images(batch))
         sampling = [item.seq for item in batch if item.samples]
@@ -317,7 +324,6 @@ class LLMEngine:
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.blocks.register_full_blocks(item.seq)
-        outputs: dict[str, RequestOutput] = {}
         for seq, token, entry in zip(sampling, tokens, entries):
             request_id = seq.request_id
             if request_id in outputs:  # another of its n sequences failed earlier in this step

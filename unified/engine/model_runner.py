@@ -17,12 +17,24 @@ side stream, so the tower overlaps the language model (on CPU there is nothing t
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from unified.engine.kv_cache import KVCache, PagedAttentionContext, StepMetadata
 from unified.engine.multimodal import EncoderCache
 from unified.engine.scheduler import ScheduledSeq
 from unified.model.forward_context import forward_context
+
+log = logging.getLogger(__name__)
+
+
+class ImagesFailed(Exception):
+    """The vision tower fails on the images of `request_ids` (each tried alone); the step can go on without them."""
+
+    def __init__(self, request_ids: set[str], error: Exception):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.request_ids, self.error = request_ids, error
 
 
 class ModelRunner:
@@ -45,7 +57,7 @@ class ModelRunner:
         positions: list = []
         slots: list[int] = []
         query_start, context_lens, sample_rows = [0], [], []
-        image_rows: list[tuple] = []  # (span, first row, end row) in token order
+        image_rows: list[tuple] = []  # (request id, span, first row, end row) in token order
         image_tokens: list[int] = []  # indexes in the step's tokens that take image rows
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -61,7 +73,7 @@ class ModelRunner:
             if mm:
                 for span in mm.overlapping(start, end):
                     lo, hi = max(start, span.offset), min(end, span.end)
-                    image_rows.append((span, lo - span.offset, hi - span.offset))
+                    image_rows.append((seq.request_id, span, lo - span.offset, hi - span.offset))
                     image_tokens += range(len(tokens) - (end - lo), len(tokens) - (end - hi))
             slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             query_start.append(query_start[-1] + item.num_new_tokens)
@@ -94,11 +106,28 @@ class ModelRunner:
         if self.side_stream is not None:  # rows prefetched on the side stream must be complete
             current = self._accelerator.current_stream()
             current.wait_stream(self.side_stream)
-        found = self.encoder_cache.embeddings(self._encode, [span for span, _, _ in image_rows])
+        try:
+            found = self.encoder_cache.embeddings(self._encode, [span for _, span, _, _ in image_rows])
+        except Exception as err:  # noqa: BLE001 - whose images? ImagesFailed names them, else it is the step's
+            raise self._requests_whose_images_fail(image_rows, err) from err
         if self.side_stream is not None:  # their memory must outlive this stream's use of it
             for rows in found.values():
                 rows.record_stream(current)
-        return torch.cat([found[span.hash][lo:hi] for span, lo, hi in image_rows])
+        return torch.cat([found[span.hash][lo:hi] for _, span, lo, hi in image_rows])
+
+    def _requests_whose_images_fail(self, image_rows: list[tuple], err: Exception) -> Exception:
+        """Encodes each request's images alone (caching those that work): ImagesFailed naming the requests
+        whose own images fail, or `err` itself when every request's images encode alone."""
+        by_request: dict[str, list] = {}
+        for request_id, span, _, _ in image_rows:
+            by_request.setdefault(request_id, []).append(span)
+        failed = set()
+        for request_id, spans in by_request.items():
+            try:
+                self.encoder_cache.embeddings(self._encode, spans)
+            except Exception:  # noqa: BLE001 - this request's own images
+                failed.add(request_id)
+        return ImagesFailed(failed, err) if failed else err
 
     @torch.inference_mode()
     def prefetch_images(self, spans: list) -> None:
@@ -116,12 +145,15 @@ class ModelRunner:
             room -= need
         if not todo:
             return
-        if self.side_stream is None:
-            self.encoder_cache.embeddings(self._encode, todo)
-            return
-        self.side_stream.wait_stream(self._accelerator.current_stream())
-        with self._accelerator.stream(self.side_stream):
-            self.encoder_cache.embeddings(self._encode, todo)
+        try:
+            if self.side_stream is None:
+                self.encoder_cache.embeddings(self._encode, todo)
+                return
+            self.side_stream.wait_stream(self._accelerator.current_stream())
+            with self._accelerator.stream(self.side_stream):
+                self.encoder_cache.embeddings(self._encode, todo)
+        except Exception:  # noqa: BLE001 - best effort: the step that needs these images finds whose they were
+            log.debug("prefetching %d images failed; their step encodes them again", len(todo), exc_info=True)
 
     @property
     def distributed(self) -> bool:
