@@ -1,6 +1,7 @@
 """Real servers (`python -m unified recipe=serve`) in subprocesses on free loopback ports."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -100,12 +101,18 @@ TINY_SERVER_OPTIONS = ("engine.num_blocks=512", "serve.max_tokens=64", "serve.de
                        "serve.max_messages=8", "serve.max_body_bytes=65536")
 
 
-@pytest.fixture(scope="session")
-def server(tiny_chat_checkpoint):
-    """A ready server on the tiny chat model (no API key)."""
-    process = ServerProcess(tiny_chat_checkpoint, *TINY_SERVER_OPTIONS, env={"UNIFIED_API_KEY": ""})
+@contextlib.contextmanager
+def ready(process: ServerProcess):
+    """The process once it serves; on leaving, it must stop cleanly (exit 0, working directory left empty)."""
     try:
         process.wait_ready()
         yield process
     finally:
         assert process.stop() == 0, process.output()
+
+
+@pytest.fixture(scope="session")
+def server(tiny_chat_checkpoint):
+    """A ready server on the tiny chat model (no API key)."""
+    with ready(ServerProcess(tiny_chat_checkpoint, *TINY_SERVER_OPTIONS, env={"UNIFIED_API_KEY": ""})) as process:
+        yield process

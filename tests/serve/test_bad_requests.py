@@ -58,6 +58,8 @@ CASES = [
     ("invalid UTF-8", CHAT, lambda s: b'{"model": "x", "messages": "\xff\xfe"}', 400, "not valid UTF-8"),
     ("JSON nested 100k deep", CHAT, lambda s: b"[" * 60000 + b"]" * 60000, 413, "serve.max_body_bytes"),
     ("JSON nested too deep", CHAT, lambda s: b'{"a": ' + b"[" * 20000 + b"]" * 20000 + b"}", 400, "nested too deeply"),
+    ("tool schema nested too deep", CHAT, lambda s: _chat(s, tools=[{"type": "function", "function": {
+        "name": "f", "parameters": json.loads('{"a": ' * 900 + "1" + "}" * 900)}}]), 400, "nests deeper than 64"),
     ("lone surrogate", CHAT, lambda s: json.dumps(_chat(s, messages=[{"role": "user", "content": "a\ud800b"}])).encode(),
      400, "lone UTF-16 surrogate"),
     ("lone surrogate in a prompt", COMPLETIONS,

@@ -15,7 +15,7 @@ import torch
 from openai import OpenAI
 from PIL import Image
 
-from tests.serve.conftest import ServerProcess
+from tests.serve.conftest import ServerProcess, ready
 from unified.config.schema import EngineConfig
 from unified.engine.llm import chat_prompt, content_images
 from unified.engine.sampling_params import SamplingParams
@@ -58,11 +58,8 @@ def vl_server(tiny_vl_chat_checkpoint, log_path):
                             f"serve.max_images={MAX_IMAGES}", f"serve.max_image_bytes={MAX_IMAGE_BYTES}",
                             f"serve.max_body_bytes={MAX_BODY_BYTES}", f"serve.conversation_log={log_path}",
                             env={"UNIFIED_API_KEY": ""})
-    try:
-        process.wait_ready()
+    with ready(process):
         yield process
-    finally:
-        assert process.stop() == 0, process.output()
 
 
 @pytest.fixture(scope="module")

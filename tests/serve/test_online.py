@@ -12,7 +12,7 @@ from openai import OpenAI
 
 from tests.conftest import build_tiny_chat_checkpoint
 from tests.engine.conftest import greedy_answer
-from tests.serve.conftest import TINY_SERVER_OPTIONS, ServerProcess, stream_in_background
+from tests.serve.conftest import TINY_SERVER_OPTIONS, ServerProcess, ready, stream_in_background
 from unified.serve.conversation_log import read_conversations
 
 KEY = "online-key"
@@ -36,12 +36,9 @@ def online(tiny_chat_checkpoint, tmp_path_factory):
     process = ServerProcess(tiny_chat_checkpoint, *options, "serve.max_tokens=900", "serve.warm_up=false",
                             f"serve.conversation_log={log}", "serve.allow_weight_reload=true",
                             env={"UNIFIED_API_KEY": KEY})
-    try:
-        process.wait_ready()
-        process.conversation_log = log
+    process.conversation_log = log
+    with ready(process):
         yield process
-    finally:
-        assert process.stop() == 0, process.output()
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI
 
-from tests.serve.conftest import ServerProcess, stream_in_background
+from tests.serve.conftest import ServerProcess, ready, stream_in_background
 
 # A Hermes-style template: the tools as JSON in a system turn, calls as <tool_call> JSON.
 TOOL_TEMPLATE = """\
@@ -38,13 +38,9 @@ def roomy_server(tiny_chat_checkpoint, tmp_path_factory):
     model = tmp_path_factory.mktemp("tiny-tools")
     shutil.copytree(tiny_chat_checkpoint, model, dirs_exist_ok=True)
     (model / "chat_template.jinja").write_text(TOOL_TEMPLATE)
-    process = ServerProcess(model, "engine.num_blocks=1024", "serve.max_tokens=1000", "serve.max_n=4",
-                            env={"UNIFIED_API_KEY": ""})
-    try:
-        process.wait_ready()
+    with ready(ServerProcess(model, "engine.num_blocks=1024", "serve.max_tokens=1000", "serve.max_n=4",
+                             env={"UNIFIED_API_KEY": ""})) as process:
         yield process
-    finally:
-        assert process.stop() == 0, process.output()
 
 
 def _chat(server, content: str = "Tell me a story.", **options) -> dict:

@@ -4,8 +4,9 @@ Models are strict and closed: a wrong type or an unknown field is a 400 that nam
 does. Fields the reference documents but we do not implement are absent, so they are refused by name
 rather than silently ignored. Engine options OpenAI lacks (`top_k`, `min_p`, `repetition_penalty`,
 `ignore_eos`, `stop_token_ids`) are accepted as extra body fields, as in vLLM. Integers that reach a
-tensor (token ids, top_k) are bounded here, so no request can overflow one. Text must be valid Unicode:
-JSON may carry a lone UTF-16 surrogate, which no tokenizer can encode. The bodies of our own routes
+tensor (token ids, top_k) are bounded here, so no request can overflow one. Text must be valid Unicode
+(JSON may carry a lone UTF-16 surrogate, which no tokenizer can encode), and a body nests at most
+MAX_DEPTH levels (chat templates recurse through tool schemas). The bodies of our own routes
 (feedback, weight reload) follow the same rules.
 """
 from __future__ import annotations
@@ -22,26 +23,28 @@ INT32_MAX = 2 ** 31 - 1
 Int = Annotated[int, BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)]
 TokenId = Annotated[Int, Field(ge=0, le=INT32_MAX)]
 PromptTokenId = Annotated[Int, Field(ge=0)]
+MAX_DEPTH = 64  # the deepest nesting a body may have: templates and serialisers below recurse through it
 
 
-def _lone_surrogate(value, where: str) -> str | None:
-    """The path of the first string under `value` holding a lone surrogate, or None."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return where or "body"
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            found = _lone_surrogate(key, where) or _lone_surrogate(item, f"{where}.{key}" if where else str(key))
-            if found:
-                return found
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            found = _lone_surrogate(item, f"{where}[{i}]")
-            if found:
-                return found
-    return None
+def _check_text_and_depth(body) -> None:
+    """Raises ValueError naming the first place in `body` that holds a lone surrogate (keys included) or
+    nests deeper than MAX_DEPTH. Iterative: a body may nest as deep as the JSON parser allows."""
+    stack = [(body, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"{where} nests deeper than {MAX_DEPTH} levels; send a flatter body")
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{where or 'body'} holds a lone UTF-16 surrogate (\\ud800-\\udfff alone), which "
+                                 f"is not valid Unicode text; send valid UTF-8") from None
+        elif isinstance(value, dict):
+            stack += [(key, where or "body", depth) for key in value]
+            stack += [(item, f"{where}.{key}" if where else str(key), depth + 1) for key, item in value.items()]
+        elif isinstance(value, list):
+            stack += [(item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value)]
 
 
 class _Body(BaseModel):
@@ -49,15 +52,12 @@ class _Body(BaseModel):
 
 
 class _Request(_Body):
-    """A route's whole body: its text is checked once, here, before any field is used."""
+    """A route's whole body: its text and depth are checked once, here, before any field is used."""
 
     @model_validator(mode="before")
     @classmethod
-    def _valid_unicode(cls, data):
-        where = _lone_surrogate(data, "")
-        if where:
-            raise ValueError(f"{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff alone), which is not valid "
-                             f"Unicode text; send valid UTF-8")
+    def _valid_text_and_depth(cls, data):
+        _check_text_and_depth(data)
         return data
 
 

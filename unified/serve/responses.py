@@ -53,11 +53,14 @@ class AssistantMessage(BaseModel):
     tool_calls: list[AssistantToolCall] | None = None
 
 
-class ChatChoice(BaseModel):
+class _ChatChoice(BaseModel):
     index: int
-    message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None
+
+
+class ChatChoice(_ChatChoice):
+    message: AssistantMessage
 
 
 class PromptTokensDetails(BaseModel):
@@ -71,11 +74,14 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-class ChatCompletion(BaseModel):
+class _Answer(BaseModel):
     id: str
-    object: Literal["chat.completion"]
     created: int
     model: str
+
+
+class ChatCompletion(_Answer):
+    object: Literal["chat.completion"]
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: None
@@ -91,18 +97,12 @@ class ChatDelta(BaseModel):
     tool_calls: list[StreamedToolCall] | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int
+class ChatChunkChoice(_ChatChoice):
     delta: ChatDelta
-    logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Answer):
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = Field(None, description="with stream_options.include_usage: null on every chunk but the "
                                                   "last, which has no choices")
@@ -122,21 +122,15 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length", "abort"] | None
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(_Answer):
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage
     system_fingerprint: None
 
 
-class CompletionChunk(BaseModel):
-    id: str
+class CompletionChunk(_Answer):
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = Field(None, description="with stream_options.include_usage: null on every chunk but the "
                                                   "last, which has no choices")
