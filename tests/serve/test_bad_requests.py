@@ -104,6 +104,18 @@ def test_unknown_routes_and_methods_answer_in_the_openai_shape(server, method, p
     assert path in error["message"] and "/openapi.json" in error["message"], error
 
 
+def test_a_chunked_body_over_the_limit_is_refused_as_too_large(server):
+    def chunks():
+        yield b'{"model": "x", "prompt": "'
+        for _ in range(20):
+            yield b"x" * 4096
+        yield b'"}'
+
+    response = httpx.post(server.base_url + COMPLETIONS, content=chunks(), timeout=30,
+                          headers={"content-type": "application/json"})
+    assert response.status_code == 413 and "serve.max_body_bytes" in response.json()["error"]["message"]
+
+
 def test_server_keeps_serving_after_bad_requests(server):
     for _ in range(2):
         httpx.post(server.base_url + CHAT, content=b"{", timeout=30)

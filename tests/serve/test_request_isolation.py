@@ -31,6 +31,13 @@ You may call these functions:
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "today's weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 LONG = {"max_tokens": 900, "ignore_eos": True}
+SERVED_NAME = "acme/tiny-tools"  # names of the hub's shape hold a '/'
+
+
+def test_a_served_name_with_a_slash_has_its_model_card(roomy_server):
+    card = httpx.get(f"{roomy_server.base_url}/v1/models/{SERVED_NAME}", timeout=10)
+    assert card.status_code == 200 and card.json()["id"] == SERVED_NAME, card.text
+    assert httpx.get(f"{roomy_server.base_url}/v1/models/acme/other", timeout=10).status_code == 404
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +45,10 @@ def roomy_server(tiny_chat_checkpoint, tmp_path_factory):
     model = tmp_path_factory.mktemp("tiny-tools")
     shutil.copytree(tiny_chat_checkpoint, model, dirs_exist_ok=True)
     (model / "chat_template.jinja").write_text(TOOL_TEMPLATE)
-    with ready(ServerProcess(model, "engine.num_blocks=1024", "serve.max_tokens=1000", "serve.max_n=4",
-                             env={"UNIFIED_API_KEY": ""})) as process:
+    process = ServerProcess(model, "engine.num_blocks=1024", "serve.max_tokens=1000", "serve.max_n=4",
+                            f"serve.model_name={SERVED_NAME}", env={"UNIFIED_API_KEY": ""})
+    process.model_name = SERVED_NAME
+    with ready(process):
         yield process
 
 

@@ -161,6 +161,8 @@ def _http_error(request: Request, err: HTTPException) -> APIError:
                         code=code, headers=err.headers)
     if err.status_code == 400:  # FastAPI could not decode the body: its cause says why
         cause = err.__cause__
+        if isinstance(cause, APIError):  # the body guard's own refusal (a chunked body over the limit)
+            return cause
         if isinstance(cause, UnicodeDecodeError):
             why = f"it is not valid UTF-8 (byte {cause.start})"
         elif isinstance(cause, RecursionError):

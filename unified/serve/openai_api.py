@@ -114,7 +114,7 @@ async def models(request: Request):
     return {"object": "list", "data": [_model_card(request.app.state.server)]}
 
 
-@router.get("/v1/models/{model}", responses=documented(Model, 401, 404))
+@router.get("/v1/models/{model:path}", responses=documented(Model, 401, 404))  # served names may hold a '/'
 async def model(model: str, request: Request):
     server = request.app.state.server
     server.check_model(model)
