@@ -1,3 +1,4 @@
+import dataclasses
 import importlib
 
 import pytest
@@ -90,3 +91,17 @@ def test_training_gets_gradients():
     assert not takes_inference_path(x, weight)
     kernels.linear(x, weight).sum().backward()
     torch.testing.assert_close(weight.grad, x.sum(0).expand(8, 4))
+
+
+def test_the_training_path_ignores_packed_copies_and_kernels_with_autograd_off():
+    weight, x = torch.randn(96, 48), torch.randn(5, 48)
+    other = kernels.pack_weight(weight + 1.0)
+    if other is None:
+        pytest.skip("no packed copies on this machine")
+    claims_current = dataclasses.replace(other, version=weight._version)  # another weight's copy, passed off as this one's
+    with torch.no_grad():
+        fast = kernels.linear(x, weight, None, claims_current)
+        with kernels.training_path():
+            plain = kernels.linear(x, weight, None, claims_current)
+    assert torch.equal(plain, F.linear(x, weight))
+    assert not torch.allclose(fast, plain)  # outside, the inference path trusts the copy

@@ -124,6 +124,23 @@ class TrainConfig:
 
 
 @dataclass
+class RLHFConfig:
+    num_generations: int = 4  # completions per prompt (GRPO's group; at least 2)
+    prompts_per_step: int = 8
+    max_tokens: int = 64  # per completion
+    temperature: float = 1.0
+    updates_per_batch: int = 1  # optimizer updates per rollout batch (the old log-probabilities are kept)
+    clip_low: float = 0.2  # the ratio is clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float = 0.2
+    kl_coef: float = 0.0  # KL penalty to the reference policy (0: none; the KL is still reported)
+    kl_estimator: str = "k3"  # k1 | k3
+    loss_level: str = "token"  # token | sequence: how the policy loss averages
+    scale_rewards: bool = True  # divide group advantages by the group's std (false: Dr. GRPO)
+    tis_cap: Optional[float] = None  # truncated importance sampling of the policy loss (e.g. 2.0); None: off
+    max_logprob_diff: float = 1e-3  # the engine's and the trainer's log-probabilities may differ this much (mean)
+
+
+@dataclass
 class ClipTowerConfig:
     """A fresh CLIP vision tower and LLaVA projector, composed with a text checkpoint into a LLaVA model."""
     image_size: int = 32

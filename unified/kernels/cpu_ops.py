@@ -9,6 +9,8 @@ reason is logged once.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -43,10 +45,30 @@ def available() -> bool:
         return False
 
 
+_TRAINING_PATH = contextvars.ContextVar("unified_training_path", default=False)
+
+
+@contextlib.contextmanager
+def training_path():
+    """Inside, the ops take the path training takes (plain PyTorch) even with autograd off: the trainer's
+    no-grad forwards (RLHF's old and reference log-probabilities) must compute what its gradient forward
+    does, not what the inference kernels and packed weight copies do."""
+    token = _TRAINING_PATH.set(True)
+    try:
+        yield
+    finally:
+        _TRAINING_PATH.reset(token)
+
+
+def inference_path() -> bool:
+    """Autograd off and not inside `training_path()`: the fast inference kernels may run."""
+    return not torch.is_grad_enabled() and not _TRAINING_PATH.get()
+
+
 def applies(*tensors: torch.Tensor) -> bool:
-    """Whether a C++ kernel may take these tensors: float32 on the CPU, with autograd off (the kernels
+    """Whether a C++ kernel may take these tensors: float32 on the CPU, on the inference path (the kernels
     have no backward), and the kernels built."""
-    return (not torch.is_grad_enabled() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    return (inference_path() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
             and available())
 
 

@@ -59,7 +59,7 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
 def takes_inference_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` takes the inference path above (packed copies, C++ kernels, oneDNN) for x."""
     return (_ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-            and not torch.is_grad_enabled())
+            and cpu_ops.inference_path())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -138,11 +138,13 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0}]
 
 
-def initialize(model: CausalLM, cfg: TrainConfig, dtype: torch.dtype, dp_size: int, total_steps: int):
-    """Returns the DeepSpeed engine around `TrainingModel(model)`."""
+def initialize(model: CausalLM, cfg: TrainConfig, dtype: torch.dtype, dp_size: int, total_steps: int,
+               objective: nn.Module | None = None):
+    """Returns the DeepSpeed engine around `objective`, a module holding `model` whose forward computes
+    the loss (by default `TrainingModel(model)`, the token cross-entropy)."""
     import deepspeed
 
-    wrapped = TrainingModel(model)
+    wrapped = objective if objective is not None else TrainingModel(model)
     if cfg.zero_stage == 3 and model.lm_head is None and model.embed is not None:
         deepspeed.zero.register_external_parameter(wrapped, model.embed.weight)  # the tied head reads it
     config = deepspeed_config(cfg, dtype, dp_size)

@@ -25,6 +25,7 @@ asks the layer for `effective_weight()`, which folds the adapter in.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -72,6 +73,7 @@ class LoraAdapter(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout else nn.Identity()
         self.parallel, self.group = parallel, group  # "column" | "row" | None (replicated); group None: one rank
         self.handles: list = []  # hooks that go when the adapter does
+        self.active = True  # off: the linear computes its base weight alone (see adapters_disabled)
 
     def _a(self) -> torch.Tensor:
         return torch.cat([self.A[name] for name, _ in self.segments if name in self.A])  # [rank * pairs, in]
@@ -82,6 +84,8 @@ class LoraAdapter(nn.Module):
                                   for name, rows in self.segments))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return x.new_zeros(())
         h = F.linear(self.dropout(x), self._a())  # [..., rank * pairs]
         if self.group is not None and self.parallel == "row":
             with collective("tp_all_reduce", h):
@@ -179,6 +183,10 @@ def _detach(host: nn.Module) -> None:
         host.lora = None
 
 
+def has_adapters(model: nn.Module) -> bool:
+    return bool(_adapted(model))
+
+
 def _check_no_adapters(model: nn.Module) -> None:
     if _adapted(model):
         raise UserError("the model already has LoRA adapters; merge_lora(model) first to add another")
@@ -191,6 +199,19 @@ def _freeze_base(model: nn.Module) -> list[nn.Parameter]:
         p.requires_grad_(id(p) in ids)
     log.info(lora_summary(model))
     return params
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """The base model alone while inside: the reference policy of RLHF under LoRA, with no second copy."""
+    adapters = [host.lora for host in _adapted(model)]
+    for adapter in adapters:
+        adapter.active = False
+    try:
+        yield model
+    finally:
+        for adapter in adapters:
+            adapter.active = True
 
 
 def lora_summary(model: nn.Module) -> str:

@@ -1,0 +1,91 @@
+"""GRPO colocated on a tiny random model: the engine samples the trainer's own parameters, its
+log-probabilities match the trainer's forward, the gate stops a run whose engine samples something else,
+and a synthetic reward is learned."""
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+import pytest
+import torch
+
+from tests.engine.conftest import make_engine
+from unified import kernels
+from unified.checkpoint import load_model
+from unified.config.schema import LoraConfig, RLHFConfig, TrainConfig
+from unified.errors import UserError
+from unified.rlhf.grpo import GRPO, PolicyObjective, Prompt, check_rlhf_config
+from unified.rlhf.rollout import TokenBatch, completion_logprobs, generate
+from unified.train.engine import initialize
+from unified.train.lora import apply_lora
+
+TARGET = 16  # the synthetic task: completion tokens below this id (a tenth of the tiny vocabulary) score
+
+
+def low_tokens(prompts, completions, completion_ids, **_):
+    return [sum(t < TARGET for t in ids) / max(1, len(ids)) for ids in completion_ids]
+
+
+def _prompts(rng: random.Random, count: int) -> list[Prompt]:
+    return [Prompt([rng.randrange(160) for _ in range(6)], "", {}) for _ in range(count)]
+
+
+def _grpo(tiny_checkpoint, lora: bool = False, lr: float = 3e-3, **options) -> GRPO:
+    loaded = load_model(tiny_checkpoint("llama"))  # a fresh copy: the run trains it
+    if lora:
+        apply_lora(loaded.model, LoraConfig(rank=4))
+    cfg = RLHFConfig(**{"num_generations": 8, "prompts_per_step": 8, "max_tokens": 8, **options})
+    check_rlhf_config(cfg)
+    train_cfg = TrainConfig(lr=lr, warmup_steps=0, schedule="constant", zero_stage=0)
+    trainer = initialize(loaded.model, train_cfg, torch.float32, 1, 1000, PolicyObjective(loaded.model, cfg))
+    reference = None if lora else load_model(tiny_checkpoint("llama")).model
+    return GRPO(make_engine(loaded, num_blocks=128, packed_weights=True), trainer, low_tokens, cfg, reference, seed=1)
+
+
+def test_a_synthetic_reward_is_learned(runtime, tiny_checkpoint):
+    grpo, rng = _grpo(tiny_checkpoint), random.Random(0)
+    started, rewards = time.monotonic(), []
+    while len(rewards) < 60 and not (len(rewards) >= 3 and min(rewards[-3:]) > 0.6):
+        rewards.append(grpo.step(_prompts(rng, 8))["reward"])
+    assert rewards[0] < 0.2, rewards
+    assert min(rewards[-3:]) > 0.6, f"rewards {rewards} after {time.monotonic() - started:.0f} s"
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["all-weights", "lora"])
+def test_the_engine_samples_the_trainers_parameters_and_logprobs_agree(runtime, tiny_checkpoint, lora):
+    grpo = _grpo(tiny_checkpoint, lora=lora, lr=1e-2)
+    trained = {name: p for name, p in grpo.trainer.module.model.named_parameters()}
+    served = dict(grpo.engine.model.named_parameters())
+    assert served.keys() == trained.keys()
+    assert all(served[n].data_ptr() == trained[n].data_ptr() for n in served), "the engine holds copies"
+    rng = random.Random(0)
+    first = grpo.step(_prompts(rng, 8))
+    second = grpo.step(_prompts(rng, 8))  # sampled after an update: packed copies must have followed it
+    for metrics in (first, second):
+        assert metrics["sampling/sampling_logp_difference/mean"] <= 1e-5, metrics
+    rollouts = generate(grpo.engine, [p.ids for p in _prompts(rng, 2)], 2, 8, seed=5)
+    batch = TokenBatch.of(rollouts)
+    with torch.no_grad():
+        trainer_logp = completion_logprobs(grpo.model, batch)
+    assert ((trainer_logp - batch.sampling_logprobs).abs() * batch.mask).max() <= 1e-5
+
+
+def test_the_gate_stops_a_run_whose_engine_samples_another_policy(runtime, tiny_checkpoint):
+    grpo = _grpo(tiny_checkpoint)
+    layer = grpo.model.layers["0"].mlp.down_proj
+    assert layer.packed is not None
+    # The engine's packed copy, and only it, now holds other weights (yet claims the current version).
+    other = kernels.pack_weight(layer.weight.detach() + 0.5)
+    layer.packed = dataclasses.replace(other, version=layer.weight._version)
+    with pytest.raises(UserError, match=r"differ from the trainer's by .* \(rlhf.max_logprob_diff=0.001\)"):
+        grpo.step(_prompts(random.Random(0), 2))
+
+
+@pytest.mark.parametrize("options,words", [({"num_generations": 1}, "at least 2"),
+                                           ({"kl_estimator": "k2"}, "k1 or k3"),
+                                           ({"loss_level": "batch"}, "token or sequence"),
+                                           ({"tis_cap": 0.0}, "positive")])
+def test_bad_options_are_refused_before_anything_runs(options, words):
+    with pytest.raises(UserError, match=words):
+        check_rlhf_config(RLHFConfig(**options))
