@@ -20,6 +20,7 @@ JOBS = {
     "batch": "unified.jobs.batch",
     "serve": "unified.jobs.serve",
     "train": "unified.jobs.train",
+    "grpo": "unified.jobs.grpo",
     "online": "unified.jobs.online",
     "vision_demo": "unified.jobs.vision_demo",
 }

@@ -125,6 +125,15 @@ class TrainConfig:
 
 @dataclass
 class RLHFConfig:
+    # `reward(prompts, completions, **task_fields) -> list[float]` by import path; the default scores the task
+    reward: str = "unified.rlhf.tasks:task_reward"
+    # Without data=: a reasoning-gym task generated offline (seeded), and its options
+    task: str = "basic_arithmetic"
+    task_options: dict = field(default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1,
+                                                        "max_digits": 1, "operators": ["+", "-"]})
+    train_prompts: int = 2000  # task prompts generated for training
+    eval_prompts: int = 64  # held-out task prompts, answered greedily every eval_every steps (eval/reward)
+    eval_every: int = 10  # 0: never
     num_generations: int = 4  # completions per prompt (GRPO's group; at least 2)
     prompts_per_step: int = 8
     max_tokens: int = 64  # per completion
@@ -187,6 +196,7 @@ class RunConfig:
     serve: ServeConfig = field(default_factory=ServeConfig)
     check: ParityCheckConfig = field(default_factory=ParityCheckConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    rlhf: RLHFConfig = field(default_factory=RLHFConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
     vision_demo: VisionDemoConfig = field(default_factory=VisionDemoConfig)
 
@@ -201,3 +211,4 @@ def register_schemas() -> None:
     store.store(group="engine", name="engine_schema", node=EngineConfig)
     store.store(group="serve", name="serve_schema", node=ServeConfig)
     store.store(group="train", name="train_schema", node=TrainConfig)
+    store.store(group="rlhf", name="rlhf_schema", node=RLHFConfig)

@@ -13,7 +13,7 @@ from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.runtime import start_runtime
 
 
-def _eos_ids(tokenizer, path) -> set[int]:
+def eos_ids(tokenizer, path) -> set[int]:
     from transformers import GenerationConfig
 
     ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -44,7 +44,7 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
 
         processor = processor_for(path)
     return LLMEngine(loaded.model, tokenizer, engine, runtime.device, runtime.dtype, runtime.accelerator,
-                     _eos_ids(tokenizer, path), processor)
+                     eos_ids(tokenizer, path), processor)
 
 
 def chat_prompt(tokenizer, messages: list[dict], image_marker: str | None = None,

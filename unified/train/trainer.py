@@ -132,7 +132,8 @@ def _gathered(engine, zero_stage: int):
     return deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None)
 
 
-def _export(engine, loaded, tc, output: Path) -> None:
+def export_model(engine, loaded, tc, output: Path) -> None:
+    """Writes the servable HF checkpoint to `output` (LoRA merged, the adapter beside it in `output/adapter`)."""
     from unified.checkpoint.loader import export_hf
 
     with _gathered(engine, tc.zero_stage):
@@ -222,6 +223,6 @@ def train(cfg) -> TrainResult:
     if start < steps:
         checkpoint.save(engine, checkpoints, steps, runtime.accelerator, tc.keep_checkpoints, partial)
     report.close()
-    _export(engine, loaded, tc, output)
+    export_model(engine, loaded, tc, output)
     torch.distributed.barrier()
     return TrainResult(output, report.history, trainable)

@@ -1,0 +1,51 @@
+"""`recipe=grpo` from the command line: a short run on the tiny chat model writes its metrics and a servable
+model; a bad run stops before anything loads, with a message saying what is wrong."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.conftest import run_cli
+
+TRL_NAMES = {"reward", "reward_std", "kl", "entropy", "clip_ratio", "completions/mean_length",
+             "completions/clipped_ratio", "sampling/sampling_logp_difference/mean",
+             "sampling/sampling_logp_difference/max", "sampling/importance_sampling_ratio/mean", "timing/rollout_s",
+             "timing/train_s", "timing/sync_s", "rollout_tok_s", "train_tok_s"}
+SHORT = ("steps=2", "rlhf.prompts_per_step=2", "rlhf.max_tokens=8", "rlhf.eval_prompts=4", "rlhf.eval_every=2")
+
+
+def test_grpo_on_the_shipped_task_writes_metrics_and_a_servable_model(tiny_chat_checkpoint, tmp_path):
+    output = tmp_path / "out"
+    result = run_cli("recipe=grpo", f"model={tiny_chat_checkpoint}", f"output={output}", *SHORT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0] == {"step": 0, "eval/reward": lines[0]["eval/reward"]}  # the held-out score before training
+    assert [line["step"] for line in lines[1:]] == [1, 2] and "eval/reward" in lines[-1]
+    assert TRL_NAMES <= set(lines[1]), TRL_NAMES - set(lines[1])
+    assert all(line["sampling/sampling_logp_difference/mean"] <= 1e-5 for line in lines[1:])
+    assert (output / "config.json").is_file() and (output / "adapter" / "adapter_config.json").is_file()
+    assert "serve it with: unified recipe=serve model=" in result.stdout
+
+
+def test_grpo_takes_prompts_and_a_reward_of_the_users(tiny_chat_checkpoint, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Say {word}.", "word": word}) for word in ("yes", "no", "maybe")))
+    output = tmp_path / "out"
+    result = run_cli("recipe=grpo", f"model={tiny_chat_checkpoint}", f"data={data}", f"output={output}",
+                     "rlhf.reward=tests.rlhf.rewards_for_tests:says_the_word", *SHORT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len((output / "metrics.jsonl").read_text().splitlines()) == 2  # no held-out set without a task
+
+
+@pytest.mark.parametrize("options,words", [
+    (("rlhf.reward=nowhere.at_all:f",), "cannot import 'nowhere.at_all'"),
+    (("rlhf.num_generations=1",), "needs at least 2"),
+    (("rlhf.task=no_such_task",), "rlhf.task='no_such_task'"),
+    (("parallel=tp2",), "runs on one rank for now"),
+    (("data=/nonexistent/prompts.jsonl",), "/nonexistent/prompts.jsonl"),
+])
+def test_bad_grpo_runs_stop_before_loading(tiny_chat_checkpoint, tmp_path, options, words):
+    result = run_cli("recipe=grpo", f"model={tiny_chat_checkpoint}", f"output={tmp_path}", *options)
+    assert result.returncode == 2 and words in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr

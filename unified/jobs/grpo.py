@@ -1,0 +1,12 @@
+"""`recipe=grpo`: GRPO with the engine's rollouts and DeepSpeed's updates, then where the model is."""
+from __future__ import annotations
+
+
+def run(cfg) -> None:
+    from unified.rlhf.run import run_grpo
+
+    history = run_grpo(cfg)
+    last = history[-1]
+    held_out = f", held-out reward {last['eval/reward']:.3f}" if "eval/reward" in last else ""
+    print(f"trained {last['step']} GRPO steps, reward {last['reward']:.3f}{held_out}; serve it with: "
+          f"unified recipe=serve model={cfg.output}")
