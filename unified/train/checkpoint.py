@@ -59,7 +59,7 @@ def _start_over(folder: Path) -> str:
 
 
 def _reason(err: Exception) -> str:
-    """The first sentence of torch's own explanation (the rest advises weights_only=False)."""
+    """The first sentence of torch's own explanation (the rest advises switching the weights-only check off)."""
     text = str(err).split("WeightsUnpickler error:")[-1].strip()
     return text.splitlines()[0].split(". ")[0] if text else type(err).__name__
 
