@@ -15,8 +15,11 @@ def test_a_task_generates_seeded_chats_and_scores_tagged_answers():
     assert prompts != task_prompts("basic_arithmetic", 4, seed=4, options={"min_terms": 2, "max_terms": 2})
     assert [m["role"] for m in prompts[0]["messages"]] == ["system", "user"]
     entries = [p["entry"] for p in prompts[:2]]
-    right = f"So the result is <answer>{entries[0]['answer']}</answer>."
-    assert task_reward(None, [right, "no tags: " + entries[1]["answer"]], entry=entries) == [1.0, 0.0]
+    right = f"So the result is <answer>{entries[0]['answer']}</answer>, not 12345."
+    untagged = f"It is {entries[1]['answer']}."  # the last number stands in for an answer without tags
+    assert task_reward(None, [right, untagged], entry=entries) == [1.0, 1.0]
+    wrong, silent = task_reward(None, ["<answer>12345</answer>", "no idea"], entry=entries)
+    assert wrong < 1.0 and silent == 0.0  # the task's checker may give a wrong number partial credit
     with pytest.raises(UserError, match="rlhf.task='no_such_task'"):
         task_prompts("no_such_task", 2, 0, {})
 

@@ -2,17 +2,19 @@
 
 A data line carries `prompt` (text) or `messages` (a chat), and any other fields, which reach the reward
 function as task fields. A task's prompts are chats asking for the answer between <answer> tags; its
-entries (question, answer, metadata) go to `task_reward`, which scores the tagged answer with the task's
-own checker. Train and held-out prompts are drawn with different seeds, so they do not overlap by design.
+entries (question, answer, metadata) go to `task_reward`, which scores the answer (tagged, or else the
+last number) with the task's own checker. Train and held-out prompts are drawn with different seeds, so they do not overlap by design.
 """
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from unified.errors import UserError
 from unified.rlhf.rewards import extract_answer
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 SYSTEM = ("Solve the problem. Reason briefly if you need to, then give only the final answer between "
           "<answer> and </answer>.")
 
@@ -57,8 +59,18 @@ def task_prompts(name: str, count: int, seed: int, options: dict) -> list[dict]:
              "entry": entry} for entry in dataset]
 
 
+def _answer(completion: str) -> str | None:
+    """The tagged answer, or else the last number in the text (small models rarely use the tags at first)."""
+    tagged = extract_answer(completion)
+    if tagged is not None:
+        return tagged
+    numbers = _NUMBER.findall(completion)
+    return numbers[-1] if numbers else None
+
+
 def task_reward(prompts, completions, entry=None, **_fields) -> list[float]:
-    """A reasoning-gym task's own score of each completion's tagged answer (0 without one)."""
+    """A reasoning-gym task's own score of each completion's answer: the tagged one, or else its last number
+    (0 with neither)."""
     if entry is None:
         raise UserError("the default reward, unified.rlhf.tasks:task_reward, scores reasoning-gym task prompts; "
                         "with data= name your own with rlhf.reward=package.module:function")
@@ -66,7 +78,7 @@ def task_reward(prompts, completions, entry=None, **_fields) -> list[float]:
 
     scores = []
     for completion, item in zip(completions, entry):
-        answer = extract_answer(completion)
+        answer = _answer(completion)
         checker = reasoning_gym.get_score_answer_fn(item["metadata"]["source_dataset"])
         scores.append(float(checker(answer, item)) if answer is not None else 0.0)
     return scores
