@@ -4,7 +4,7 @@ import torch
 
 from tests.engine.conftest import assert_no_block_leaks, generate_all, make_engine
 from unified.checkpoint import load_model
-from unified.engine.llm import _eos_ids, chat_prompt
+from unified.engine.llm import eos_ids, chat_prompt
 from unified.engine.sampling_params import SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?"]
@@ -16,7 +16,7 @@ def smollm2(runtime, smollm2_checkpoint):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint)
-    return load_model(smollm2_checkpoint), tokenizer, _eos_ids(tokenizer, smollm2_checkpoint)
+    return load_model(smollm2_checkpoint), tokenizer, eos_ids(tokenizer, smollm2_checkpoint)
 
 
 @torch.inference_mode()
