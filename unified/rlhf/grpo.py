@@ -54,13 +54,13 @@ class PolicyObjective(nn.Module):
         self.model, self.cfg = model, cfg
 
     def forward(self, input_ids, completion_start, mask, old_logp, advantages, ref_logp,
-                sampling_logp) -> tuple[torch.Tensor, PolicyLossStats, torch.Tensor]:
+                sampling_logp) -> tuple[torch.Tensor, PolicyLossStats]:
         cfg = self.cfg
         logp = completion_logprobs(self.model, TokenBatch(input_ids, completion_start, mask, sampling_logp))
         loss, stats = policy_loss(logp, old_logp, advantages, mask, clip_low=cfg.clip_low, clip_high=cfg.clip_high,
                                   ref_logp=ref_logp, kl_coef=cfg.kl_coef, kl_estimator=cfg.kl_estimator,
                                   level=cfg.loss_level, sampling_logp=sampling_logp, tis_cap=cfg.tis_cap)
-        return loss, stats, logp.detach()
+        return loss, stats
 
 
 @dataclass
@@ -113,14 +113,14 @@ class GRPO:
             old_logp = completion_logprobs(model, batch)
             ref_logp = self.reference_logprobs(batch)
         gap = (old_logp - batch.sampling_logprobs).abs() * batch.mask
-        gap_mean = float(gap.sum() / batch.mask.sum())
+        gap_mean = float(gap.sum() / batch.mask.sum().clamp(min=1))
         if gap_mean > cfg.max_logprob_diff:
             raise UserError(f"the engine's log-probabilities differ from the trainer's by {gap_mean:.3g} on average "
                             f"(rlhf.max_logprob_diff={cfg.max_logprob_diff}): the rollouts did not come from the "
                             f"policy being trained")
         for _ in range(cfg.updates_per_batch):
-            loss, stats, logp = self.trainer(batch.input_ids, batch.completion_start, batch.mask, old_logp,
-                                             advantages, ref_logp, batch.sampling_logprobs)
+            loss, stats = self.trainer(batch.input_ids, batch.completion_start, batch.mask, old_logp,
+                                       advantages, ref_logp, batch.sampling_logprobs)
             self.trainer.backward(loss)
             self.trainer.step()
         train_s = time.perf_counter() - train_started
