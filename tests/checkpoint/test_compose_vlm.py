@@ -17,7 +17,7 @@ def test_composed_llava_loads_in_transformers_and_matches_ours(runtime, tiny_cha
 
     from unified.checkpoint import load_model
     from unified.checkpoint.compose_vlm import compose_llava
-    from unified.engine.llm import chat_prompt
+    from unified.chat import chat_prompt
     from unified.vision import expand_image_placeholders, processor_for
 
     out = compose_llava(tiny_chat_checkpoint, tmp_path / "vlm", TOWER, seed=0)

@@ -4,7 +4,8 @@ import torch
 
 from tests.engine.conftest import assert_no_block_leaks, generate_all, make_engine
 from unified.checkpoint import load_model
-from unified.engine.llm import eos_ids, chat_prompt
+from unified.chat import chat_prompt
+from unified.engine.llm import eos_ids
 from unified.engine.sampling_params import SamplingParams
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?"]

@@ -18,7 +18,7 @@ from unified.errors import UserError
 from unified.rlhf.grpo import GRPO, PolicyObjective, Prompt, check_rlhf_config
 from unified.rlhf.rollout import TokenBatch, completion_logprobs, generate
 from unified.train.engine import initialize
-from unified.train.lora import apply_lora
+from unified.checkpoint.lora import apply_lora
 
 TARGET = 16  # the synthetic task: completion tokens below this id (a tenth of the tiny vocabulary) score
 

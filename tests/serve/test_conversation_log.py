@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from unified.serve.conversation_log import (ConversationLog, ConversationLogError, UnknownConversation,
-                                            conversation_record, read_conversations)
+from unified.conversations import ConversationLogError, conversation_record, read_conversations
+from unified.serve.conversation_log import ConversationLog, UnknownConversation
 
 
 def _record(i: int) -> dict:

@@ -17,7 +17,7 @@ from PIL import Image
 
 from tests.serve.conftest import ServerProcess, ready
 from unified.config.schema import EngineConfig
-from unified.engine.llm import chat_prompt, content_images
+from unified.chat import chat_prompt, content_images
 from unified.engine.sampling_params import SamplingParams
 
 CHAT = "/v1/chat/completions"

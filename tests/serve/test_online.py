@@ -13,7 +13,7 @@ from openai import OpenAI
 from tests.conftest import build_tiny_chat_checkpoint
 from tests.engine.conftest import greedy_answer
 from tests.serve.conftest import TINY_SERVER_OPTIONS, ServerProcess, ready, stream_in_background
-from unified.serve.conversation_log import read_conversations
+from unified.conversations import read_conversations
 
 KEY = "online-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -112,7 +112,7 @@ def _reference_answer(path) -> str:
     """What the engine answers offline, in this process, on the weights at `path`."""
     from transformers import AutoTokenizer
 
-    from unified.engine.llm import chat_prompt
+    from unified.chat import chat_prompt
 
     return greedy_answer(path, chat_prompt(AutoTokenizer.from_pretrained(path), MESSAGES), GREEDY["max_tokens"])
 

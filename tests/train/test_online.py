@@ -120,7 +120,7 @@ def test_served_model_learns_accepted_replies_while_a_client_chats(served, tiny_
 
 
 def test_logged_conversations_with_images_are_left_out(tmp_path):
-    from unified.serve.conversation_log import conversation_record
+    from unified.conversations import conversation_record
     from unified.train.online import split_log
 
     class Output:

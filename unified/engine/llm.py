@@ -5,11 +5,12 @@ tokenizer, engine), which is how the recipes get theirs.
 """
 from __future__ import annotations
 
+from unified.chat import chat_prompt, content_images
 from unified.checkpoint import load_model
 from unified.checkpoint.builtin import resolve_model
 from unified.config.schema import DeviceConfig, EngineConfig, ParallelConfig
 from unified.engine.llm_engine import LLMEngine, RequestOutput
-from unified.engine.sampling_params import InvalidRequest, SamplingParams
+from unified.engine.sampling_params import SamplingParams
 from unified.runtime import start_runtime
 
 
@@ -34,7 +35,7 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
     path = resolve_model(model)
     loaded = load_model(path, runtime.device, runtime.dtype, weights_progress)
     if engine.lora_adapter:
-        from unified.train.lora import load_adapter
+        from unified.checkpoint.lora import load_adapter
 
         load_adapter(loaded.model, engine.lora_adapter)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -45,61 +46,6 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
         processor = processor_for(path)
     return LLMEngine(loaded.model, tokenizer, engine, runtime.device, runtime.dtype, runtime.accelerator,
                      eos_ids(tokenizer, path), processor)
-
-
-def chat_prompt(tokenizer, messages: list[dict], image_marker: str | None = None,
-                tools: list[dict] | None = None) -> list[int]:
-    """Token ids of a conversation under the model's chat template. A message's `content` may be a string
-    or a list of parts: {"type": "text", "text": ...} and {"type": "image", ...} (whatever carries the
-    image), each image written as `image_marker`, the model's text for one image. `tools` (OpenAI function
-    definitions) go to the template as its `tools` variable."""
-    messages = [{**m, "content": flatten_content(m["content"], image_marker)} for m in messages]
-    if not tokenizer.chat_template:
-        return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-IMAGE_PART_TYPES = ("image", "image_url")
-
-
-def flatten_content(content: str | list[dict], image_marker: str | None) -> str:
-    if isinstance(content, str):
-        return content
-    text = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind == "text" and isinstance(part.get("text"), str):
-            text.append(part["text"])
-        elif kind not in IMAGE_PART_TYPES:
-            raise InvalidRequest(f'a content part must be {{"type": "text", "text": ...}} or an image part '
-                                 f'(type {" or ".join(IMAGE_PART_TYPES)}); got {str(part)[:80]}')
-        elif image_marker is None:
-            raise InvalidRequest("this model takes no image input; send text parts only")
-        else:
-            text.append(image_marker)
-    return "".join(text)
-
-
-def content_images(messages: list[dict]) -> list:
-    """The images of a conversation's content parts, in order: `image` (a path, bytes, data URL or PIL
-    image) or OpenAI's `image_url` ({"url": ...} or the URL itself)."""
-    images = []
-    for message in messages:
-        for part in message["content"] if isinstance(message["content"], list) else ():
-            if part.get("type") == "image":
-                image = part.get("image")
-            elif part.get("type") == "image_url":
-                url = part.get("image_url")
-                image = url.get("url") if isinstance(url, dict) else url
-            else:
-                continue
-            if image is None:
-                raise InvalidRequest(f'an image part carries no image ({str(part)[:80]}); send {{"type": "image", '
-                                     f'"image": <file path or data URL>}} or {{"type": "image_url", "image_url": '
-                                     f'{{"url": <data URL>}}}}')
-            images.append(image)
-    return images
 
 
 class LLM:

@@ -9,11 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 
-from unified.errors import UserError
-
-
-class InvalidRequest(UserError, ValueError):
-    """A request the engine refuses; it affects that request only."""
+from unified.errors import InvalidRequest
 
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as in vLLM): sampling there is one-hot or overflows

@@ -11,7 +11,7 @@ inference). Parameters are allocated with `use_cpu_initialization`, which create
 default device (the `torch.device` context), so one code path builds a model on cpu, cuda, musa or
 meta. Weights come from a checkpoint, so megatron's random initialisation is skipped unless asked for.
 
-Column and row linears carry an optional `lora` adapter (unified.train.lora) whose output is added to
+Column and row linears carry an optional `lora` adapter (unified.checkpoint.lora) whose output is added to
 theirs. It receives the layer's own input (before the column layer's copy-to-region) and does its own
 tensor-parallel mapping, so the base parameters keep their names and the path without one is unchanged.
 """

@@ -21,7 +21,7 @@ from unified.rlhf.advantages import group_advantages
 from unified.rlhf.losses import KL_ESTIMATORS, LOSS_LEVELS, PolicyLossStats, masked_mean, policy_loss
 from unified.rlhf.rewards import RewardFn, score
 from unified.rlhf.rollout import TokenBatch, completion_logprobs, generate
-from unified.train.lora import adapters_disabled, has_adapters
+from unified.checkpoint.lora import adapters_disabled, has_adapters
 
 
 def check_rlhf_config(cfg) -> None:

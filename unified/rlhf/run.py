@@ -51,7 +51,7 @@ def _prompt_records(cfg) -> tuple[list[dict], list[dict]]:
 
 
 def _prompts(records: list[dict], tokenizer) -> list[Prompt]:
-    from unified.engine.llm import chat_prompt
+    from unified.chat import chat_prompt
 
     out = []
     for record in records:
@@ -91,7 +91,7 @@ def run_grpo(cfg) -> list[dict]:
     from unified.engine.llm_engine import LLMEngine
     from unified.runtime import start_runtime
     from unified.train.engine import initialize
-    from unified.train.lora import apply_lora
+    from unified.checkpoint.lora import apply_lora
     from unified.train.trainer import export_model
 
     reward = _check_run(cfg)

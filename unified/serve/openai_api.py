@@ -21,8 +21,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 
-from unified.engine.sampling_params import InvalidRequest
-from unified.serve.conversation_log import conversation_record
+from unified.chat import chat_prompt
+from unified.conversations import conversation_record
+from unified.errors import InvalidRequest
 from unified.serve.detokenizer import IncrementalDetokenizer
 from unified.serve.errors import APIError
 from unified.serve.formats import ChatFormat, CompletionFormat, usage
@@ -42,8 +43,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     server = request.app.state.server
     loop = server.require_ready()
     server.check_model(body.model)
-    from unified.engine.llm import chat_prompt  # loaded by the engine already; kept out of start-up imports
-
     _check_supported(body)
     if len(body.messages) > server.limits.max_messages:
         raise APIError(f"the request has {len(body.messages)} messages; this server accepts at most "

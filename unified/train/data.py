@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from unified.errors import UserError
+from unified.chat import content_images, flatten_content
+from unified.errors import InvalidRequest, UserError
 
 log = logging.getLogger(__name__)
 IGNORE = -100  # label of a token that does not count in the loss
@@ -75,9 +76,6 @@ def check_messages(messages) -> None:
 def chat_example(tokenizer, messages: list[dict], images: ImageSupport | None = None) -> Example:
     """Labels the tokens each assistant turn adds to the rendered conversation; relies on the template
     rendering a prefix of the conversation as a prefix of the whole (true of chat templates in use)."""
-    from unified.engine.llm import content_images, flatten_content
-    from unified.engine.sampling_params import InvalidRequest
-
     if not tokenizer.chat_template:
         raise UserError("this model's tokenizer has no chat template; use prompt/completion lines instead")
     check_messages(messages)

@@ -68,7 +68,7 @@ def _has_images(record: dict) -> bool:
 def split_log(path: str | Path) -> tuple[list[list[dict]], list[list[dict]]]:
     """(accepted conversations, conversations without feedback), each ending with the served reply.
     Conversations with images are left out: the log keeps a hash of each image, not the picture."""
-    from unified.serve.conversation_log import read_conversations
+    from unified.conversations import read_conversations
 
     records = [r for r in read_conversations(path) if r.get("choices")]
     with_images = sum(map(_has_images, records))

@@ -138,7 +138,7 @@ def export_model(engine, loaded, tc, output: Path) -> None:
 
     with _gathered(engine, tc.zero_stage):
         if tc.lora.rank > 0:
-            from unified.train.lora import merge_lora, save_adapter
+            from unified.checkpoint.lora import merge_lora, save_adapter
 
             save_adapter(loaded.model, output / ADAPTER, base_model=str(loaded.path))  # collective, like export_hf
             merge_lora(loaded.model)
@@ -173,7 +173,7 @@ def train(cfg) -> TrainResult:
     model.checkpoint_layers = tc.activation_checkpointing
     lora = tc.lora.rank > 0
     if lora:
-        from unified.train.lora import apply_lora
+        from unified.checkpoint.lora import apply_lora
 
         apply_lora(model, tc.lora)
     _freeze_all_but(model, tc.trainable)

@@ -15,7 +15,7 @@ from tests.conftest import ROOT, build_tiny_hf_model
 from unified.checkpoint import hf_state_dict, load_model
 from unified.config.schema import LoraConfig
 from unified.errors import UserError
-from unified.train.lora import apply_lora, load_adapter, lora_summary, merge_lora, save_adapter
+from unified.checkpoint.lora import apply_lora, load_adapter, lora_summary, merge_lora, save_adapter
 
 MLA_ATTENTION = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
 IDS = torch.randint(0, 160, (2, 20), generator=torch.Generator().manual_seed(1))
