@@ -20,7 +20,7 @@ from unified.errors import UserError
 from unified.rlhf.advantages import group_advantages
 from unified.rlhf.losses import KL_ESTIMATORS, LOSS_LEVELS, PolicyLossStats, masked_mean, policy_loss
 from unified.rlhf.rewards import RewardFn, score
-from unified.rlhf.rollout import TokenBatch, completion_logprobs, generate
+from unified.rlhf.rollout import Rollout, TokenBatch, completion_logprobs, generate
 from unified.checkpoint.lora import adapters_disabled, has_adapters
 
 
@@ -70,6 +70,13 @@ class Prompt:
     fields: dict  # the task's own fields (the answer, say), passed to the reward function
 
 
+def score_rollouts(reward: RewardFn, prompts: list[Prompt], rollouts: list[Rollout]) -> list[float]:
+    """The checked rewards of rollouts: each sees its prompt's text and task fields, and its completion ids."""
+    fields = {key: [prompts[r.group].fields[key] for r in rollouts] for key in prompts[0].fields}
+    fields["completion_ids"] = [r.completion_ids for r in rollouts]
+    return score(reward, [prompts[r.group].text for r in rollouts], [r.text for r in rollouts], fields)
+
+
 class GRPO:
     def __init__(self, engine, trainer, reward: RewardFn, cfg, reference: nn.Module | None = None, seed: int = 0):
         """`engine`: the LLMEngine over the policy's modules; `trainer`: the DeepSpeed engine around a
@@ -102,10 +109,7 @@ class GRPO:
         rollouts = generate(self.engine, [p.ids for p in prompts], G, cfg.max_tokens, cfg.temperature,
                             seed=self.seed + self.steps * len(prompts) * G)
         rollout_s = time.perf_counter() - started
-        fields = {key: [p.fields[key] for p in prompts for _ in range(G)] for key in prompts[0].fields}
-        fields["completion_ids"] = [r.completion_ids for r in rollouts]
-        rewards = torch.tensor(score(self.reward, [prompts[r.group].text for r in rollouts],
-                                     [r.text for r in rollouts], fields))
+        rewards = torch.tensor(score_rollouts(self.reward, prompts, rollouts))
         advantages = group_advantages(rewards, G, cfg.scale_rewards)
         batch = TokenBatch.of(rollouts)
         train_started = time.perf_counter()

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from unified.errors import UserError
-from unified.rlhf.grpo import GRPO, PolicyObjective, Prompt, check_rlhf_config
-from unified.rlhf.rewards import load_reward, score
+from unified.rlhf.grpo import GRPO, PolicyObjective, Prompt, check_rlhf_config, score_rollouts
+from unified.rlhf.rewards import load_reward
 from unified.rlhf.rollout import generate
 from unified.rlhf.tasks import read_prompts, task_prompts
 
@@ -75,9 +75,7 @@ def _rollout_cache(cfg, prompts: list[Prompt]):
 
 def _evaluate(engine, reward, prompts: list[Prompt], max_tokens: int) -> float:
     rollouts = generate(engine, [p.ids for p in prompts], 1, max_tokens, temperature=0.0)
-    fields = {key: [p.fields[key] for p in prompts] for key in prompts[0].fields}
-    fields["completion_ids"] = [r.completion_ids for r in rollouts]
-    rewards = score(reward, [p.text for p in prompts], [r.text for r in rollouts], fields)
+    rewards = score_rollouts(reward, prompts, rollouts)
     return sum(rewards) / len(rewards)
 
 

@@ -58,7 +58,7 @@ class ResponseFormat:
                 "created": self.created, "model": self.model}
 
     def best(self, final: RequestOutput) -> list[CompletionOutput]:
-        """The outputs to return, best first when sampling more than n, each with its index in the response."""
+        """The outputs to return: all of them, or the n best when sampling more than n."""
         outputs = final.outputs
         if len(outputs) > self.n:
             outputs = sorted(outputs, key=_mean_logprob, reverse=True)[:self.n]

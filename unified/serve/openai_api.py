@@ -162,7 +162,7 @@ async def _serve(request: Request, body, prompts: list[list[int]], fmt, on_finis
     with a prompt holding the model's image placeholder once per image."""
     server = request.app.state.server
     loop, limits = server.startup.loop, server.limits
-    samples = getattr(body, "samples", body.n)
+    samples = body.samples
     if samples > limits.max_n:
         name = "n" if samples == body.n else "best_of"
         raise APIError(f"{name}={samples} is more than this server allows ({limits.max_n}, serve.max_n)", param=name)

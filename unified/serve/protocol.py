@@ -178,6 +178,11 @@ class _Sampling(_Request):
                                  f"this server does not have yet; send response_format {{\"type\": \"text\"}} "
                                  f"or leave it out, and ask for JSON in the prompt")
 
+    @property
+    def samples(self) -> int:
+        """Sequences generated per prompt (completions' best_of may ask for more than the n returned)."""
+        return self.n
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, n: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         params = SamplingParams(n=n or self.n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
