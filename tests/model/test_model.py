@@ -1,6 +1,8 @@
 """Behaviour of the model definition beyond parity: forward context, routing, meta construction."""
+import pytest
 import torch
 
+from tests.conftest import TINY_FAMILIES
 from unified.checkpoint import load_model
 from unified.model.attention import causal_attention
 from unified.model.config import MoEConfig, ModelConfig
@@ -63,3 +65,19 @@ def test_giant_layout_builds_on_meta_device(runtime):
     experts_per_layer = 384 * 3 * 7168 * 2048
     assert params > 3 * experts_per_layer
     assert all(p.device.type == "meta" for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_every_tensor_is_built_on_the_device_and_in_the_dtype_asked_for(family, runtime, tiny_checkpoint):
+    """A tensor left on the host (computed RoPE frequencies) fails the first forward on an accelerator; a
+    norm left in float32 turns a bf16 model's activations float32 (both were found on a GPU)."""
+    from unified.checkpoint.hf_config import model_config_from_hf, read_hf_config
+
+    config = model_config_from_hf(read_hf_config(tiny_checkpoint(family)))
+    with torch.device("meta"):
+        model = CausalLM(config, torch.bfloat16)
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert {name for name, t in tensors.items() if t.device.type != "meta"} == set()
+    float32_by_design = {"score_bias", "inv_freq"}  # routing bias and RoPE frequencies stay float32, as in HF
+    assert {name for name, t in tensors.items()
+            if t.dtype != torch.bfloat16 and name.split(".")[-1] not in float32_by_design} == set()

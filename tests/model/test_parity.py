@@ -1,4 +1,4 @@
-"""Our model against `transformers` on the same weights: every family, every layer, fp32."""
+"""Our model against `transformers` on the same weights: every family, every layer, fp32 and bf16."""
 import pytest
 import torch
 
@@ -17,6 +17,16 @@ def test_tiny_model_matches_transformers(family, runtime, tiny_checkpoint):
     assert min(report.layer_cosine.values()) >= 0.99999, report.table()
     assert report.logits_cosine >= 0.99999, report.table()
     assert report.logits_max_abs_diff <= 1e-4, report.table()
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+def test_tiny_model_matches_transformers_in_bf16(family, runtime, tiny_checkpoint):
+    path = tiny_checkpoint(family)
+    ours = load_model(path, dtype=torch.bfloat16)
+    ids = torch.randint(0, ours.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+    report = compare(ours.model, reference_model(path, torch.bfloat16), ids)
+    assert report.logits_cosine >= 0.9999, report.table()
+    assert min(report.layer_cosine.values()) >= 0.9999, report.table()
 
 
 def test_smollm2_real_weights_match_transformers(runtime, smollm2_checkpoint):

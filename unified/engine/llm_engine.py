@@ -94,7 +94,7 @@ class LLMEngine:
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         num_blocks = self._cache_blocks(accelerator)
         if self.runner.distributed:  # every rank must hold the blocks the driver hands out
-            agreed = torch.tensor([num_blocks])
+            agreed = torch.tensor([num_blocks], device=device)  # NCCL reduces device tensors only
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             num_blocks = int(agreed.item())
         self.runner.cache = KVCache(self.config, num_blocks, engine_cfg.block_size, dtype, device,

@@ -83,7 +83,7 @@ def _choose(logits: torch.Tensor, seq: Sequence) -> tuple[int, torch.Tensor]:
     if seq.params.greedy:
         return int(processed.argmax()), processed
     processed = _filter(processed, seq)
-    return int(torch.multinomial(processed.softmax(-1), 1, generator=seq.generator)), processed
+    return int(torch.multinomial(processed.softmax(-1), 1, generator=seq.generator(processed.device))), processed
 
 
 def _log_probs(logits: torch.Tensor) -> torch.Tensor:

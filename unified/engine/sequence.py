@@ -31,9 +31,16 @@ class Sequence:
         self.publishes_blocks = True  # False once the weights changed under its K/V (until recomputed)
         self.finish_reason: str | None = None
         self.logprobs: list = []  # sampler.TokenLogprob per output token, when asked for
-        self.generator = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._generator: torch.Generator | None = None
         self.output_counts: dict[int, int] = {}
         self.multimodal = multimodal  # the prompt's images, if any
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This sequence's own random stream, on the device its logits are on (made at its first draw)."""
+        if self._generator is None or self._generator.device != device:
+            self._generator = torch.Generator(device).manual_seed(self.seed)
+        return self._generator
 
     def block_extra(self, start: int, end: int) -> bytes:
         """Content besides token ids that tokens [start, end) depend on (for prefix-cache hashes)."""

@@ -58,8 +58,8 @@ class GQAttention(nn.Module):
         self.qkv_proj = ColumnLinear(config.hidden_size, qkv_out, mp, bias=config.qkv_bias)
         self.o_proj = RowLinear(config.num_heads * config.head_dim, config.hidden_size, mp, bias=config.o_bias)
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype)
             for weight in (self.q_norm.weight, self.k_norm.weight):
                 weight.partial_grad_over_tp = True  # shared by the heads, which the ranks split
         else:

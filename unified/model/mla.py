@@ -43,11 +43,11 @@ class MLAttention(nn.Module):
             self.q_proj = ColumnLinear(config.hidden_size, config.num_heads * qk_dim, mp)
         else:
             self.q_a_proj = nn.Linear(config.hidden_size, mla.q_lora_rank, bias=config.qkv_bias, dtype=dtype)
-            self.q_a_norm = RMSNorm(mla.q_lora_rank, config.rms_norm_eps)
+            self.q_a_norm = RMSNorm(mla.q_lora_rank, config.rms_norm_eps, dtype)
             self.q_proj = ColumnLinear(mla.q_lora_rank, config.num_heads * qk_dim, mp)
         self.kv_a_proj = nn.Linear(config.hidden_size, mla.kv_lora_rank + mla.qk_rope_head_dim,
                                    bias=config.qkv_bias, dtype=dtype)
-        self.kv_a_norm = RMSNorm(mla.kv_lora_rank, config.rms_norm_eps)
+        self.kv_a_norm = RMSNorm(mla.kv_lora_rank, config.rms_norm_eps, dtype)
         self.kv_b_proj = ColumnLinear(mla.kv_lora_rank, config.num_heads * (self.nope_dim + self.v_dim), mp)
         self.o_proj = RowLinear(config.num_heads * self.v_dim, config.hidden_size, mp, bias=config.o_bias)
 

@@ -53,8 +53,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rope_parameters: dict, head_dim: int, max_position_embeddings: int, interleaved: bool = False,
                  mrope_section: list[int] | None = None):
         super().__init__()
-        inv_freq, self.attention_scaling = rope_frequencies(rope_parameters, head_dim, max_position_embeddings)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        with torch.device("cpu"):
+            inv_freq, self.attention_scaling = rope_frequencies(rope_parameters, head_dim, max_position_embeddings)
+        # Computed on the host whatever the device (the same values everywhere), then placed where the model
+        # is being built (a `with torch.device(...)` block moves factory calls, not this tensor).
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
         self.interleaved = interleaved
         assert mrope_section is None or sum(mrope_section) == inv_freq.numel(), "mrope_section must cover head_dim/2"
         self.mrope_section = mrope_section

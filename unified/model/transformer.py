@@ -38,9 +38,9 @@ def _entered(*managers: contextlib.AbstractContextManager):
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
-        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.attn = MLAttention(config, layer, dtype) if config.mla else GQAttention(config, layer, dtype)
-        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = (MoE(config, dtype) if config.is_moe_layer(layer)
                     else GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, dtype))
 
@@ -82,7 +82,7 @@ class CausalLM(nn.Module):
         self.embed = VocabEmbedding(config.vocab_size, config.hidden_size, mp) if stage.first or (stage.last and tied) else None
         # A dict keyed by the global layer index keeps parameter names (layers.<i>.) the same on every stage.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, dtype) for i in stage.layers})
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.last else None
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if stage.last else None
         self.lm_head = ColumnLinear(config.hidden_size, config.vocab_size, mp) if stage.last and not tied else None
         self.tied_head_packed: kernels.PackedWeight | None = None
         self.checkpoint_layers = False  # training: recompute each layer's activations in backward

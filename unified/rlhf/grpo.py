@@ -109,9 +109,10 @@ class GRPO:
         rollouts = generate(self.engine, [p.ids for p in prompts], G, cfg.max_tokens, cfg.temperature,
                             seed=self.seed + self.steps * len(prompts) * G)
         rollout_s = time.perf_counter() - started
+        device = next(model.parameters()).device
         rewards = torch.tensor(score_rollouts(self.reward, prompts, rollouts))
-        advantages = group_advantages(rewards, G, cfg.scale_rewards)
-        batch = TokenBatch.of(rollouts)
+        advantages = group_advantages(rewards, G, cfg.scale_rewards).to(device)
+        batch = TokenBatch.of(rollouts, device)
         train_started = time.perf_counter()
         with torch.no_grad():
             old_logp = completion_logprobs(model, batch)

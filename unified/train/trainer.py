@@ -207,7 +207,7 @@ def train(cfg) -> TrainResult:
         began = time.perf_counter()
         rows = stream.rows(step * rows_per_step, rows_per_step)
         loss_scale = dp * accumulation / stream.num_targets(rows)
-        totals = torch.zeros(2, dtype=torch.float64)  # token-loss sum, tokens
+        totals = torch.zeros(2, dtype=torch.float64, device=runtime.device)  # token-loss sum, tokens (NCCL: on the device)
         lr = engine.get_lr()[0]
         for m in range(accumulation):
             mine = rows[(m * dp + dp_rank) * micro:(m * dp + dp_rank + 1) * micro]

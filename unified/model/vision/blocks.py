@@ -50,7 +50,7 @@ class Segments:
 
 def make_norm(kind: str, size: int, eps: float, dtype: torch.dtype) -> nn.Module:
     if kind == "rmsnorm":
-        return RMSNorm(size, eps)
+        return RMSNorm(size, eps, dtype)
     return nn.LayerNorm(size, eps=eps, dtype=dtype)
 
 
