@@ -127,6 +127,8 @@ class TrainConfig:
 class RLHFConfig:
     # `reward(prompts, completions, **task_fields) -> list[float]` by import path; the default scores the task
     reward: str = "unified.rlhf.tasks:task_reward"
+    # An HF *ForSequenceClassification checkpoint folder scoring (prompt, completion) chats; replaces `reward`
+    reward_model: Optional[str] = None
     # Without data=: a reasoning-gym task generated offline (seeded), and its options
     task: str = "basic_arithmetic"
     task_options: dict = field(default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1,
