@@ -50,12 +50,14 @@ TINY_FAMILIES = {
 }
 
 
-def build_tiny_hf_model(family: str, seed: int = 0):
-    from transformers import AutoConfig, AutoModelForCausalLM
+def build_tiny_hf_model(family: str, seed: int = 0, auto_class: str = "AutoModelForCausalLM", **config_overrides):
+    """`auto_class` picks the head (e.g. AutoModelForSequenceClassification); `config_overrides` change the config."""
+    import transformers
+    from transformers import AutoConfig
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, **{**_COMMON, **TINY_FAMILIES[family]})
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    config = AutoConfig.for_model(family, **{**_COMMON, **TINY_FAMILIES[family], **config_overrides})
+    model = getattr(transformers, auto_class).from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():
         # HF initialises norms to ones and biases to zero; random values make a wrong mapping visible.
         for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):

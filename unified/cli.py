@@ -20,7 +20,8 @@ JOBS = {
     "batch": "unified.jobs.batch",
     "serve": "unified.jobs.serve",
     "train": "unified.jobs.train",
-    "grpo": "unified.jobs.grpo",
+    "grpo": "unified.jobs.rlhf",
+    "ppo": "unified.jobs.rlhf",
     "online": "unified.jobs.online",
     "vision_demo": "unified.jobs.vision_demo",
 }

@@ -44,8 +44,43 @@ def test_grpo_takes_prompts_and_a_reward_of_the_users(tiny_chat_checkpoint, tmp_
     (("rlhf.task=no_such_task",), "rlhf.task='no_such_task'"),
     (("parallel=tp2",), "runs on one rank for now"),
     (("data=/nonexistent/prompts.jsonl",), "/nonexistent/prompts.jsonl"),
+    (("rlhf.reward_model=/nonexistent/rm",), "rlhf.reward_model='/nonexistent/rm' is not a checkpoint folder"),
+    (("rlhf.algorithm=reinforce",), "grpo or ppo"),
 ])
 def test_bad_grpo_runs_stop_before_loading(tiny_chat_checkpoint, tmp_path, options, words):
     result = run_cli("recipe=grpo", f"model={tiny_chat_checkpoint}", f"output={tmp_path}", *options)
     assert result.returncode == 2 and words in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_ppo_saves_its_value_head_beside_a_servable_model(tiny_chat_checkpoint, tmp_path):
+    from safetensors.torch import load_file
+
+    output = tmp_path / "out"
+    result = run_cli("recipe=ppo", f"model={tiny_chat_checkpoint}", f"output={output}", *SHORT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "trained 2 PPO steps" in result.stdout
+    lines = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert {"value_loss", "values/mean"} <= set(lines[1]) and TRL_NAMES <= set(lines[1])
+    head = load_file(output / "value_head.safetensors")
+    assert head["weight"].shape == (1, 64) and head["bias"].shape == (1,)
+    assert (output / "config.json").is_file() and (output / "adapter" / "adapter_config.json").is_file()
+
+
+def test_a_run_started_again_continues_from_its_checkpoint(tiny_chat_checkpoint, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Say {word}.", "word": word}) for word in ("yes", "no", "maybe")))
+    common = (f"model={tiny_chat_checkpoint}", f"data={data}", "rlhf.reward=tests.rlhf.rewards_for_tests:says_the_word",
+              "rlhf.prompts_per_step=2", "rlhf.max_tokens=8", "train.lr=1e-2")
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    assert run_cli("recipe=grpo", *common, f"output={whole}", "steps=4").returncode == 0
+    assert run_cli("recipe=grpo", *common, f"output={halves}", "steps=2").returncode == 0
+    again = run_cli("recipe=grpo", *common, f"output={halves}", "steps=4")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "continuing from the checkpoint of step 2" in again.stdout + again.stderr
+    want, got = ([json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+                 for folder in (whole, halves))
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    for a, b in zip(want, got):
+        for key in ("reward", "loss", "kl", "entropy"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)

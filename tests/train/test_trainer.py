@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import ROOT, run_cli
 from unified.config.schema import LoraConfig
-from unified.train.progress import read_metrics
+from unified.train.progress import read_steps
 
 TRAIN = ("train.lr=3e-3", "train.warmup_steps=2", "train.seq_len=96", "train.micro_batch_size=2")
 
@@ -52,7 +52,7 @@ def test_sft_writes_a_servable_model_and_its_reports(runtime, tiny_chat_checkpoi
     result = run_cli(*_sft_args(tiny_chat_checkpoint, data, output, 8, "train.save_every=4", "train.wandb=offline"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"serve it with: unified recipe=serve model={output}" in result.stdout
-    history = read_metrics(output / "metrics.jsonl")
+    history = read_steps(output / "metrics.jsonl")
     assert [r.step for r in history] == list(range(1, 9))
     assert history[-1].loss < history[0].loss
     assert all(r.tokens > 0 and r.grad_norm is not None for r in history)
@@ -90,11 +90,11 @@ def test_resume_after_kill_9_continues_the_same_loss_curve(tiny_chat_checkpoint,
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert len(read_metrics(killed / "metrics.jsonl")) < 20
+    assert len(read_steps(killed / "metrics.jsonl")) < 20
 
     resumed = run_cli(*args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    want, got = read_metrics(reference / "metrics.jsonl"), read_metrics(killed / "metrics.jsonl")
+    want, got = read_steps(reference / "metrics.jsonl"), read_steps(killed / "metrics.jsonl")
     assert [r.step for r in got] == list(range(1, 21))
     for a, b in zip(want, got):
         assert b.loss == pytest.approx(a.loss, rel=1e-6), f"step {a.step}"
@@ -116,7 +116,7 @@ def test_a_crash_during_a_save_leaves_the_last_good_checkpoint(tiny_chat_checkpo
     result = run_cli(*_sft_args(tiny_chat_checkpoint, data, output, 6, "train.wandb=disabled"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "from step 4" in result.stdout + result.stderr
-    assert [r.step for r in read_metrics(output / "metrics.jsonl")] == list(range(1, 7))
+    assert [r.step for r in read_steps(output / "metrics.jsonl")] == list(range(1, 7))
     assert (checkpoints / "latest").read_text() == "step-0000006"
 
 

@@ -8,7 +8,7 @@ import pytest
 from tests.conftest import build_tiny_chat_checkpoint, run_cli
 from tests.parallel.test_two_ranks import launch
 from tests.train.test_trainer import write_addition_data
-from unified.train.progress import read_metrics
+from unified.train.progress import read_steps
 
 STEPS = 20
 TRAIN = ("train.lr=3e-3", "train.warmup_steps=2", "train.seq_len=64", "train.wandb=disabled", f"steps={STEPS}")
@@ -47,7 +47,7 @@ def test_two_ranks_follow_the_one_rank_loss_curve(chat_checkpoint, data, one_ran
     output = tmp_path / "out"
     launch(launcher, "recipe=sft", f"model={chat_checkpoint}", f"data={data}", f"output={output}", *TRAIN,
            *options)
-    want, got = read_metrics(one_rank / "metrics.jsonl"), read_metrics(output / "metrics.jsonl")
+    want, got = read_steps(one_rank / "metrics.jsonl"), read_steps(output / "metrics.jsonl")
     assert len(got) == len(want) == STEPS
     assert want[-1].loss < 0.9 * want[0].loss  # it learns, so the comparison means something
     for a, b in zip(want, got):

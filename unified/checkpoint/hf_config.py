@@ -45,6 +45,12 @@ def read_hf_config(checkpoint_dir: str | Path):
     return CONFIG_MAPPING[CONFIG_CLASS_OF.get(model_type, model_type)].from_dict(raw)
 
 
+def sequence_classifier_labels(hf) -> int | None:
+    """num_labels of a *ForSequenceClassification checkpoint (its `architectures` say so); None for a causal LM."""
+    architectures = getattr(hf, "architectures", None) or []
+    return hf.num_labels if any(a.endswith("ForSequenceClassification") for a in architectures) else None
+
+
 def _sliding_windows(hf) -> list[int | None]:
     window = getattr(hf, "sliding_window", None)
     layer_types = getattr(hf, "layer_types", None)
@@ -113,6 +119,7 @@ def model_config_from_hf(hf) -> ModelConfig:
     qkv_bias = {"qwen2": True, "qwen2_moe": bool(getattr(hf, "qkv_bias", True))}.get(family, attention_bias)
     o_bias = attention_bias if family in ("llama", "qwen3", "qwen3_moe", "deepseek_v3") else False
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    num_labels = sequence_classifier_labels(hf)
     return ModelConfig(
         family=family,
         vocab_size=hf.vocab_size,
@@ -126,13 +133,15 @@ def model_config_from_hf(hf) -> ModelConfig:
         hidden_act=hf.hidden_act,
         max_position_embeddings=hf.max_position_embeddings,
         rope_parameters=rope,
-        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        # a classifier has no LM head to tie, whatever its config says
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)) and num_labels is None,
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         qk_norm=family in ("qwen3", "qwen3_moe"),
         sliding_window=[] if mla else _sliding_windows(hf),
         mla=mla,
         moe=_moe(hf, family) if family in MOE else None,
+        num_labels=num_labels,
     )
 
 

@@ -109,7 +109,9 @@ def parameter_map(cfg: ModelConfig) -> list[Param]:
     hf_vision_names.in_checkpoint_layout."""
     base, layer_prefix, head = text_prefixes(cfg)
     params = [_single("embed.weight", f"{base}embed_tokens.weight", 0), _single("norm.weight", f"{base}norm.weight")]
-    if not cfg.tie_word_embeddings:
+    if cfg.num_labels is not None:
+        params.append(_single("score.weight", "score.weight"))
+    elif not cfg.tie_word_embeddings:
         params.append(_single("lm_head.weight", head, 0))
     for i in range(cfg.num_layers):
         ours, hf = f"layers.{i}.", f"{layer_prefix}{i}."

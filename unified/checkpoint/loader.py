@@ -77,12 +77,29 @@ def _assemble(ckpt: SafetensorsCheckpoint, param: Param, rank: int, size: int) -
     return torch.stack(rows) if param.stacked else rows[0]
 
 
+def _check_head(path: Path, hf, found: int | None, wanted: int | None) -> None:
+    """The checkpoint's head (an LM head, or a classifier's `found` labels) is the one asked for."""
+    kind = ", ".join(getattr(hf, "architectures", None) or [hf.model_type])
+    if wanted is None and found is not None:
+        raise CheckpointError(f"{path} holds a sequence classifier ({kind}): it scores text and has no LM head to "
+                              f"generate with; point model= at a causal LM (a reward model goes in rlhf.reward_model=)")
+    if wanted is not None and found is None:
+        raise CheckpointError(f"{path} holds {kind}, not a sequence classifier; this needs an HF "
+                              f"*ForSequenceClassification checkpoint (e.g. LlamaForSequenceClassification) with "
+                              f"num_labels={wanted}")
+    if found != wanted:
+        raise CheckpointError(f"{path} holds {kind} with num_labels={found} (config.json), but num_labels={wanted} "
+                              f"is needed here; use a checkpoint trained with num_labels={wanted}")
+
+
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               progress: Callable[[int, int], None] | None = None) -> LoadedModel:
-    """`progress(done, total)` is called after each model tensor is filled (servers report it while starting)."""
+               progress: Callable[[int, int], None] | None = None, num_labels: int | None = None) -> LoadedModel:
+    """`progress(done, total)` is called after each model tensor is filled (servers report it while starting).
+    `num_labels` None asks for a causal LM; a number, for a sequence classifier with that many outputs."""
     path = Path(path)
     hf = read_hf_config(path)
     config = model_config_from_hf(hf)
+    _check_head(path, hf, config.num_labels, num_labels)
     ckpt = SafetensorsCheckpoint(path)  # reads the headers only
     check_layout(current_layout(), torch.distributed.get_world_size(), config)  # before reading any weight
     with torch.device(device):

@@ -125,6 +125,7 @@ class TrainConfig:
 
 @dataclass
 class RLHFConfig:
+    algorithm: str = "grpo"  # grpo | ppo (set by the recipe's rlhf config group)
     # `reward(prompts, completions, **task_fields) -> list[float]` by import path; the default scores the task
     reward: str = "unified.rlhf.tasks:task_reward"
     # An HF *ForSequenceClassification checkpoint folder scoring (prompt, completion) chats; replaces `reward`
@@ -136,7 +137,7 @@ class RLHFConfig:
     train_prompts: int = 2000  # task prompts generated for training
     eval_prompts: int = 64  # held-out task prompts, answered greedily every eval_every steps (eval/reward)
     eval_every: int = 10  # 0: never
-    num_generations: int = 4  # completions per prompt (GRPO's group; at least 2)
+    num_generations: int = 4  # completions per prompt (GRPO's group: at least 2)
     prompts_per_step: int = 8
     max_tokens: int = 64  # per completion
     temperature: float = 1.0
@@ -149,6 +150,12 @@ class RLHFConfig:
     scale_rewards: bool = True  # divide group advantages by the group's std (false: Dr. GRPO)
     tis_cap: Optional[float] = None  # truncated importance sampling of the policy loss (e.g. 2.0); None: off
     max_logprob_diff: float = 1e-3  # the engine's and the trainer's log-probabilities may differ this much (mean)
+    # PPO: GAE's discount and lambda, the value loss's weight and clip (None: unclipped), whitened advantages
+    gamma: float = 1.0
+    lam: float = 0.95
+    vf_coef: float = 0.1
+    value_clip: Optional[float] = 0.2
+    whiten_advantages: bool = True
 
 
 @dataclass

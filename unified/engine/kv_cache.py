@@ -77,15 +77,29 @@ class KVCache:
         self.bits = kv_bits_of(kv_cache_dtype)
         self.shape = CacheShape.of(config, tp_size)
         self.num_blocks, self.block_size = num_blocks, block_size
-        storage_dtype = dtype if self.bits is None else (torch.int8 if self.bits == 8 else torch.uint8)
-        dim = kernels.packed_dim(self.shape.dim, self.bits)
-        shape = (num_blocks, block_size, self.shape.heads, dim)
-        self.values = [[zeroed(shape, storage_dtype, device) for _ in range(self.shape.entries)]
-                       if i in layers else None for i in range(config.num_layers)]
-        self.scales = [[self._scales(shape[:3], e, device) for e in range(self.shape.entries)] if i in layers else None
-                       for i in range(config.num_layers)]
+        self._layout = (config.num_layers, layers, (num_blocks, block_size), dtype, device)
         self.key_centres: list[torch.Tensor | None] = [None] * config.num_layers  # [heads, dim] fp32, int4 only
         self.bytes_per_token = self.shape.bytes_per_token(len(layers), dtype, self.bits)
+        self.allocate()
+
+    def allocate(self) -> None:
+        """(Re)creates the zeroed cache tensors; their contents are gone."""
+        num_layers, layers, blocks, dtype, device = self._layout
+        storage_dtype = dtype if self.bits is None else (torch.int8 if self.bits == 8 else torch.uint8)
+        shape = (*blocks, self.shape.heads, kernels.packed_dim(self.shape.dim, self.bits))
+        self.values = [[zeroed(shape, storage_dtype, device) for _ in range(self.shape.entries)]
+                       if i in layers else None for i in range(num_layers)]
+        self.scales = [[self._scales(shape[:3], e, device) for e in range(self.shape.entries)] if i in layers else None
+                       for i in range(num_layers)]
+        self.reset_key_centres()
+
+    def release(self) -> None:
+        """Frees the cache tensors (for a training phase, say) until `allocate` makes them again."""
+        self.values = self.scales = None
+
+    @property
+    def allocated(self) -> bool:
+        return self.values is not None
 
     def _scales(self, shape: tuple[int, ...], entry: int, device: torch.device) -> torch.Tensor | None:
         if self.bits is None:

@@ -296,6 +296,23 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def release_kv_cache(self) -> int:
+        """Frees the KV cache's memory between uses (colocated training takes it meanwhile), forgetting
+        every cached prefix; returns the bytes freed. Only while no request is unfinished."""
+        if self.requests:
+            raise RuntimeError(f"the KV cache is in use by {len(self.requests)} unfinished requests")
+        cache = self.runner.cache
+        if not cache.allocated:
+            return 0
+        self.blocks.reset_prefix_cache()
+        cache.release()
+        return cache.total_bytes
+
+    def restore_kv_cache(self) -> None:
+        """Takes the KV cache's memory back (empty) after `release_kv_cache`."""
+        if not self.runner.cache.allocated:
+            self.runner.cache.allocate()
+
     # The loop ---------------------------------------------------------------------------------------
 
     def step(self, choose=sample) -> list[RequestOutput]:
@@ -307,6 +324,8 @@ class LLMEngine:
         stop check or detokenisation raises, or the vision tower fails on its images, and the step goes on
         for the others.
         """
+        if not self.runner.cache.allocated:
+            raise RuntimeError("the KV cache was released: restore_kv_cache() before stepping")
         batch = self.scheduler.schedule()
         outputs: dict[str, RequestOutput] = {}
         try:

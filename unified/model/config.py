@@ -1,7 +1,8 @@
 """Architecture description shared by every model family.
 
 One dataclass covers dense and MoE decoders with GQA or MLA attention, optionally with a vision tower
-in front (vision-language models); each HF family is translated into it by `unified.checkpoint.hf_config`.
+in front (vision-language models) or a score head in place of the LM head (sequence classifiers, such as
+reward models); each HF family is translated into it by `unified.checkpoint.hf_config`.
 The model code reads only this, never an HF config.
 """
 from __future__ import annotations
@@ -100,6 +101,7 @@ class ModelConfig:
     vision: VisionConfig | None = None
     image_token_id: int | None = None  # the placeholder token that image features replace
     mrope_section: list[int] | None = None  # Qwen M-RoPE: rotary frequencies per (t, h, w) axis
+    num_labels: int | None = None  # a sequence classifier (reward model): `score` head of this many outputs, no LM head
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers

@@ -1,8 +1,9 @@
 """The decoder-only language model used by every path: training, serving, rollouts, parity checks.
 
 forward(input_ids [B, S], positions [B, S] or [S]; M-RoPE models also [3, B, S]) -> final hidden states [B, S, H]; `logits()` maps
-hidden states to vocabulary scores. `inputs_embeds` lets a vision front end hand in token embeddings
-with image features already merged at the placeholder positions.
+hidden states to vocabulary scores (a sequence classifier's `scores()` to one score vector per row instead).
+`inputs_embeds` lets a vision front end hand in token embeddings with image features already merged at
+the placeholder positions.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from unified.model.moe import MoE
 from unified.model.norm import RMSNorm
 from unified.model.parallel_layers import ColumnLinear, PackableLinear, VocabEmbedding, gather_vocab, megatron_config
 from unified.model.rope import RotaryEmbedding
+from unified.model.score_head import ScoreHead
 from unified.model import sequence_parallel
 from unified.runtime.comm import collective
 
@@ -68,7 +70,8 @@ class PipelineStage:
 
 class CausalLM(nn.Module):
     """Under pipeline parallelism a rank builds only its stage: its layers, the embedding on the first
-    stage, the final norm and head on the last (and the embedding there too when the head is tied).
+    stage, the final norm and head on the last (and the embedding there too when the head is tied; a
+    sequence classifier's head is its `score`, with no LM head).
     Forward passes the hidden states stage to stage; only the last stage returns the final hidden
     states (the others return their own stage's output), and `logits()` hands the last stage's logits to
     every stage, so callers of `logits(forward(...))` see the same result on every rank."""
@@ -83,7 +86,10 @@ class CausalLM(nn.Module):
         # A dict keyed by the global layer index keeps parameter names (layers.<i>.) the same on every stage.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, dtype) for i in stage.layers})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if stage.last else None
-        self.lm_head = ColumnLinear(config.hidden_size, config.vocab_size, mp) if stage.last and not tied else None
+        classifier = config.num_labels is not None
+        self.lm_head = (ColumnLinear(config.hidden_size, config.vocab_size, mp)
+                        if stage.last and not tied and not classifier else None)
+        self.score = ScoreHead(config.hidden_size, config.num_labels, dtype) if stage.last and classifier else None
         self.tied_head_packed: kernels.PackedWeight | None = None
         self.checkpoint_layers = False  # training: recompute each layer's activations in backward
         self.sequence_parallel = False  # training under tensor parallel: split the sequence between linears
@@ -148,11 +154,20 @@ class CausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V]: every rank (every tensor and pipeline stage) gets the whole vocabulary's logits."""
+        out = gather_vocab(self.vocab_parallel_logits(hidden)) if self.stage.last else None
+        return self._from_last_stage(out, (*hidden.shape[:-1], self.config.vocab_size), hidden)
+
+    def scores(self, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """A sequence classifier's scores, on every rank: hidden [B, S, H], last [B] (the position each row
+        is scored at: score_head.last_token_index) -> [B, num_labels]."""
+        out = self.score(hidden, last) if self.stage.last else None
+        return self._from_last_stage(out, (hidden.shape[0], self.config.num_labels), hidden)
+
+    def _from_last_stage(self, out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's `out` on every stage; the other stages pass None and receive it."""
         stage = self.stage
-        if stage.last:
-            out = gather_vocab(self.vocab_parallel_logits(hidden))
-        else:
-            out = torch.empty(*hidden.shape[:-1], self.config.vocab_size, dtype=hidden.dtype, device=hidden.device)
+        if not stage.last:
+            out = like.new_empty(shape)
         if stage.size > 1:
             with collective("pp_logits_broadcast", out):
                 torch.distributed.broadcast(out, stage.last_rank, group=stage.group)
@@ -164,5 +179,5 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, PackableLinear):
                 module.pack()
-        if self.lm_head is None and self.stage.last:
+        if self.config.tie_word_embeddings and self.stage.last:
             self.tied_head_packed = kernels.pack_weight(self.embed.weight)

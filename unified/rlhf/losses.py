@@ -44,6 +44,7 @@ class PolicyLossStats:
     clip_ratio: float  # share of tokens whose ratio the clip held back
     kl: float  # mean KL estimate to the reference (reported at coefficient 0 too)
     importance_ratio: float  # mean exp(old_logp - sampling_logp): the trainer's over the sampler's probability
+    value_loss: float | None = None  # PPO's critic loss, added by the objective that has a value head
 
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from unified import kernels
 from unified.engine.sampling_params import SamplingParams
@@ -28,7 +29,9 @@ class Rollout:
 
 def generate(engine, prompts: list[list[int]], num_generations: int, max_tokens: int, temperature: float = 1.0,
              seed: int | None = None) -> list[Rollout]:
-    """`num_generations` completions of each prompt, grouped by prompt in prompt order."""
+    """`num_generations` completions of each prompt, grouped by prompt in prompt order (the engine's KV
+    cache is taken back first if training released it)."""
+    engine.restore_kv_cache()
     request_ids = []
     for i, prompt in enumerate(prompts):
         params = SamplingParams(n=num_generations, temperature=temperature, max_tokens=max_tokens, logprobs=0,
@@ -82,15 +85,31 @@ class TokenBatch:
         return torch.arange(rows, device=self.mask.device)[:, None].expand(-1, longest), columns
 
 
-def completion_logprobs(model, batch: TokenBatch) -> torch.Tensor:
-    """The trainer's log-probability of each completion token [B, T] (0 on padding), from one causal
-    forward of the padded rows on the training path (with autograd or not, the same arithmetic)."""
+@dataclass
+class CompletionForward:
+    logp: torch.Tensor  # [B, T] log-probability of each completion token (0 on padding)
+    entropy: torch.Tensor | None  # [B, T] entropy of the whole next-token distribution, when asked for
+    values: torch.Tensor | None  # [B, T] the value head's estimate before each token, when there is one
+
+
+def completion_forward(model, batch: TokenBatch, value_head: nn.Module | None = None,
+                       entropy: bool = False) -> CompletionForward:
+    """The trainer's view of the completions from one causal forward of the padded rows on the training
+    path (with autograd or not, the same arithmetic): the hidden state before each completion token gives
+    its log-probability, the distribution's entropy and, with a value head, the state's value."""
     positions = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
-    with kernels.training_path():
-        hidden = model(batch.input_ids, positions)  # [B, L, H]
     rows, columns = batch.completion_positions()
     with kernels.training_path():
-        logits = model.logits(hidden[rows, columns]).float()  # [B, T, V]
+        states = model(batch.input_ids, positions)[rows, columns]  # [B, T, H]
+        logits = model.logits(states).float()  # [B, T, V]
+    log_probs = logits.log_softmax(-1)
     targets = batch.input_ids[rows, columns + 1]  # [B, T]
-    logp = logits.log_softmax(-1).gather(-1, targets[..., None]).squeeze(-1)
-    return logp * batch.mask
+    logp = log_probs.gather(-1, targets[..., None]).squeeze(-1) * batch.mask
+    token_entropy = -(log_probs.exp() * log_probs).sum(-1) * batch.mask if entropy else None
+    values = value_head(states).squeeze(-1).float() * batch.mask if value_head is not None else None
+    return CompletionForward(logp, token_entropy, values)
+
+
+def completion_logprobs(model, batch: TokenBatch) -> torch.Tensor:
+    """The trainer's log-probability of each completion token [B, T] (0 on padding)."""
+    return completion_forward(model, batch).logp

@@ -1,22 +1,24 @@
-"""`recipe=grpo`: GRPO in one process, colocated (the engine samples the trainer's own parameters).
+"""`recipe=grpo` and `recipe=ppo` in one process, colocated (the engine samples the trainer's own parameters).
 
 Every check a user can fail runs before the model loads: the options, the reward's import path, the
-prompts. Each step logs TRL's metric names to the console and `<output>/metrics.jsonl`; every
-`rlhf.eval_every` steps the held-out task prompts are answered greedily (`eval/reward`). At the end
-`output` holds the servable checkpoint (LoRA merged; the adapter in `output/adapter`).
+prompts. Each step logs TRL's metric names to the console, `<output>/metrics.jsonl` and wandb; every
+`rlhf.eval_every` steps the held-out task prompts are answered greedily (`eval/reward`). Checkpoints go
+to `<output>/checkpoints` as the fine-tuning recipes' do (every `train.save_every` steps and at the end;
+a run started again continues from the newest). At the end `output` holds the servable checkpoint (LoRA
+merged; the adapter in `output/adapter`; PPO's value head in `output/value_head.safetensors`).
 """
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import random
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from unified.errors import UserError
-from unified.rlhf.grpo import GRPO, PolicyObjective, Prompt, check_rlhf_config, score_rollouts
+from unified.rlhf.algorithms import PolicyObjective, Prompt, algorithm, check_rlhf_config, score_rollouts, value_head
 from unified.rlhf.rewards import load_reward
 from unified.rlhf.rollout import generate
 from unified.rlhf.tasks import read_prompts, task_prompts
@@ -29,15 +31,18 @@ def _check_run(cfg):
     from unified.train.engine import check_train_config
 
     if not cfg.output:
-        raise UserError("recipe=grpo needs output=<dir> for the trained model and its metrics")
+        raise UserError(f"recipe={cfg.job} needs output=<dir> for the trained model and its metrics")
     if cfg.steps is not None and cfg.steps < 1:
         raise UserError(f"steps={cfg.steps} must be at least 1")
     check_train_config(cfg.train)
     check_rlhf_config(cfg.rlhf)
+    if cfg.rlhf.reward_model is not None and not Path(cfg.rlhf.reward_model, "config.json").is_file():
+        raise UserError(f"rlhf.reward_model={cfg.rlhf.reward_model!r} is not a checkpoint folder (no config.json there); "
+                        f"give the folder of an HF *ForSequenceClassification model")
     if cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.expert > 1:
-        raise UserError("recipe=grpo runs on one rank for now (parallel=single); multi-rank rollouts and the "
+        raise UserError(f"recipe={cfg.job} runs on one rank for now (parallel=single); multi-rank rollouts and the "
                         "separate trainer/rollout mode are not built yet")
-    return load_reward(cfg.rlhf.reward)
+    return None if cfg.rlhf.reward_model is not None else load_reward(cfg.rlhf.reward)  # the model loads later
 
 
 def _prompt_records(cfg) -> tuple[list[dict], list[dict]]:
@@ -79,23 +84,40 @@ def _evaluate(engine, reward, prompts: list[Prompt], max_tokens: int) -> float:
     return sum(rewards) / len(rewards)
 
 
-def run_grpo(cfg) -> list[dict]:
+VALUE_HEAD = "value_head.safetensors"
+
+
+def _save_value_head(head, output: Path) -> None:
+    from safetensors.torch import save_file
+
+    partial = output / f".{VALUE_HEAD}.partial"
+    save_file({name: p.detach().float().cpu().contiguous() for name, p in head.named_parameters()}, str(partial))
+    partial.replace(output / VALUE_HEAD)
+
+
+def run_rlhf(cfg) -> list[dict]:
     from transformers import AutoTokenizer
     from tqdm import tqdm
 
     from unified.checkpoint import load_model
     from unified.checkpoint.builtin import resolve_model
+    from unified.checkpoint.lora import apply_lora
     from unified.engine.llm import eos_ids
     from unified.engine.llm_engine import LLMEngine
     from unified.runtime import start_runtime
+    from unified.train import checkpoint
     from unified.train.engine import initialize
-    from unified.checkpoint.lora import apply_lora
-    from unified.train.trainer import export_model
+    from unified.train.progress import MetricsSink
+    from unified.train.trainer import CHECKPOINTS, export_model
 
     reward = _check_run(cfg)
     rc, tc, output = cfg.rlhf, cfg.train, Path(cfg.output)
     train_records, eval_records = _prompt_records(cfg)
     runtime = start_runtime(cfg.device, cfg.parallel, cfg.seed)
+    if reward is None:
+        from unified.rlhf.reward_model import load_reward_model
+
+        reward = load_reward_model(rc.reward_model, runtime.device, runtime.dtype)
     path = resolve_model(cfg.model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     train_prompts, eval_prompts = _prompts(train_records, tokenizer), _prompts(eval_records, tokenizer)
@@ -108,31 +130,43 @@ def run_grpo(cfg) -> list[dict]:
         reference = load_model(path, runtime.device, runtime.dtype).model
     steps = cfg.steps or 1
     tc.zero_stage = 0 if tc.zero_stage is None else tc.zero_stage
-    trainer = initialize(model, tc, runtime.dtype, 1, steps, PolicyObjective(model, rc))
+    critic = value_head(model) if rc.algorithm == "ppo" else None
+    trainer = initialize(model, tc, runtime.dtype, 1, steps, PolicyObjective(model, rc, critic))
     engine = LLMEngine(model, tokenizer, _rollout_cache(cfg, train_prompts + eval_prompts), runtime.device,
                        runtime.dtype, runtime.accelerator, eos_ids(tokenizer, path))
-    grpo = GRPO(engine, trainer, reward, rc, reference, seed=cfg.seed)
+    learner = algorithm(rc.algorithm)(engine, trainer, reward, rc, reference, seed=cfg.seed)
+    output.mkdir(parents=True, exist_ok=True)
+    checkpoints, partial = output / CHECKPOINTS, tc.lora.rank > 0
+    start = checkpoint.resume(trainer, checkpoints, runtime.accelerator, partial) if tc.resume else 0
+    learner.steps = start  # the rollouts' seeds and the prompts' order follow the step
+    if start:
+        log.info("continuing from the checkpoint of step %d in %s", start, checkpoints)
+    learner.refresh_derived_copies()
     order = list(range(len(train_prompts)))
     random.Random(cfg.seed).shuffle(order)
-    output.mkdir(parents=True, exist_ok=True)
-    history = []
-    with open(output / "metrics.jsonl", "a") as sink, tqdm(total=steps, desc="grpo") as bar:
-        if eval_prompts and rc.eval_every:
-            before = _evaluate(engine, reward, eval_prompts, rc.max_tokens)
-            sink.write(json.dumps({"step": 0, "eval/reward": before}) + "\n")
-            log.info("held-out reward before training: %.3f on %d prompts", before, len(eval_prompts))
-        for step in range(steps):
+    sink = MetricsSink(output, start, tc.wandb, tc.wandb_project,
+                       OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else {})
+    evaluate = bool(eval_prompts and rc.eval_every)
+    if evaluate and start == 0:
+        before = _evaluate(engine, reward, eval_prompts, rc.max_tokens)
+        sink.write({"step": 0, "eval/reward": before})
+        log.info("held-out reward before training: %.3f on %d prompts", before, len(eval_prompts))
+    with tqdm(total=steps, initial=start, desc=rc.algorithm) as bar:
+        for step in range(start, steps):
             chosen = [train_prompts[order[(step * rc.prompts_per_step + i) % len(order)]]
                       for i in range(rc.prompts_per_step)]
-            metrics = {"step": step + 1, **grpo.step(chosen)}
-            if eval_prompts and rc.eval_every and ((step + 1) % rc.eval_every == 0 or step + 1 == steps):
+            metrics = {"step": step + 1, **learner.step(chosen)}
+            if evaluate and ((step + 1) % rc.eval_every == 0 or step + 1 == steps):
                 metrics["eval/reward"] = _evaluate(engine, reward, eval_prompts, rc.max_tokens)
-            sink.write(json.dumps(metrics) + "\n")
-            sink.flush()
-            history.append(metrics)
+            sink.write(metrics)  # before the checkpoint: a resumed run drops lines past its step, never misses one
+            if (tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == steps:
+                checkpoint.save(trainer, checkpoints, step + 1, runtime.accelerator, tc.keep_checkpoints, partial)
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}",
                             logp_diff=f"{metrics['sampling/sampling_logp_difference/mean']:.1e}")
             bar.update()
+    sink.close()
+    if critic is not None:
+        _save_value_head(critic, output)
     export_model(trainer, loaded, tc, output)
     torch.distributed.barrier()
-    return history
+    return sink.history

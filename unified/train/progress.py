@@ -24,52 +24,74 @@ class StepRecord:
     seconds: float
 
 
-def read_metrics(path: Path) -> list[StepRecord]:
+def read_metrics(path: Path) -> list[dict]:
+    """The readable lines of a metrics.jsonl (a line cut short by a crash ends the readable history)."""
     if not path.is_file():
         return []
     records = []
     for line in path.read_text().splitlines():
         try:
-            records.append(StepRecord(**json.loads(line)))
-        except (json.JSONDecodeError, TypeError):
-            break  # a line cut short by a crash ends the readable history
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
     return records
 
 
-class TrainLog:
-    def __init__(self, output: Path, total_steps: int, start_step: int, enabled: bool, wandb_mode: str,
-                 wandb_project: str, run_config: dict):
-        self.enabled = enabled
-        self.metrics_path = output / "metrics.jsonl"
-        self.plot_path = output / "loss_curve.png"
-        self.history: list[StepRecord] = []
-        self._bar = self._wandb = None
-        if not enabled:
-            return
-        # A resumed run keeps the history up to its checkpoint and drops steps that were lost with the crash.
-        self.history = [r for r in read_metrics(self.metrics_path) if r.step <= start_step]
-        self.metrics_path.write_text("".join(json.dumps(asdict(r)) + "\n" for r in self.history))
-        from tqdm import tqdm
+def read_steps(path: Path) -> list[StepRecord]:
+    """A fine-tuning run's metrics.jsonl, step by step."""
+    return [StepRecord(**r) for r in read_metrics(path)]
 
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
+class MetricsSink:
+    """`<output>/metrics.jsonl` and wandb, for any recipe's per-step dicts (each with its "step"). A resumed run
+    keeps the history up to its checkpoint and drops the steps that were lost with the crash."""
+
+    def __init__(self, output: Path, start_step: int, wandb_mode: str, wandb_project: str, run_config: dict):
+        self.path = output / "metrics.jsonl"
+        self.history = [r for r in read_metrics(self.path) if r.get("step", 0) <= start_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+        self._wandb = None
         if wandb_mode != "disabled":
             import wandb
 
             self._wandb = wandb.init(project=wandb_project, mode=wandb_mode, dir=str(output), config=run_config,
                                      resume="allow")
 
+    def write(self, record: dict) -> None:
+        self.history.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+
+    def close(self) -> None:
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+class TrainLog:
+    def __init__(self, output: Path, total_steps: int, start_step: int, enabled: bool, wandb_mode: str,
+                 wandb_project: str, run_config: dict):
+        self.enabled = enabled
+        self.plot_path = output / "loss_curve.png"
+        self.history: list[StepRecord] = []
+        self._bar = self._sink = None
+        if not enabled:
+            return
+        self._sink = MetricsSink(output, start_step, wandb_mode, wandb_project, run_config)
+        self.history = [StepRecord(**r) for r in self._sink.history]
+        from tqdm import tqdm
+
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
+
     def step(self, record: StepRecord) -> None:
         if not self.enabled:
             return
         self.history.append(record)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(asdict(record)) + "\n")
+        self._sink.write(asdict(record))
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{record.loss:.4f}", tok_s=f"{record.tokens / max(record.seconds, 1e-9):,.0f}",
                               lr=f"{record.lr:.2e}")
-        if self._wandb is not None:
-            self._wandb.log({"loss": record.loss, "lr": record.lr, "grad_norm": record.grad_norm,
-                             "tokens_per_s": record.tokens / max(record.seconds, 1e-9)}, step=record.step)
 
     def plot(self) -> None:
         if not self.enabled or not self.history:
@@ -93,5 +115,4 @@ class TrainLog:
             return
         self.plot()
         self._bar.close()
-        if self._wandb is not None:
-            self._wandb.finish()
+        self._sink.close()

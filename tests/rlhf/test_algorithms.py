@@ -1,6 +1,6 @@
-"""GRPO colocated on a tiny random model: the engine samples the trainer's own parameters, its
+"""GRPO and PPO colocated on a tiny random model: the engine samples the trainer's own parameters, its
 log-probabilities match the trainer's forward, the gate stops a run whose engine samples something else,
-and a synthetic reward is learned."""
+the KV cache is given back while training, and a synthetic reward is learned."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +15,8 @@ from unified import kernels
 from unified.checkpoint import load_model
 from unified.config.schema import LoraConfig, RLHFConfig, TrainConfig
 from unified.errors import UserError
-from unified.rlhf.grpo import GRPO, PolicyObjective, Prompt, check_rlhf_config
-from unified.rlhf.rollout import TokenBatch, completion_logprobs, generate
+from unified.rlhf.algorithms import GRPO, PolicyObjective, Prompt, algorithm, check_rlhf_config, value_head
+from unified.rlhf.rollout import TokenBatch, completion_forward, completion_logprobs, generate
 from unified.train.engine import initialize
 from unified.checkpoint.lora import apply_lora
 
@@ -32,19 +32,23 @@ def _prompts(rng: random.Random, count: int) -> list[Prompt]:
 
 
 def _grpo(tiny_checkpoint, lora: bool = False, lr: float = 3e-3, **options) -> GRPO:
+    """A GRPO learner (or, with algorithm="ppo", a PPO one) on a fresh copy of the tiny Llama."""
     loaded = load_model(tiny_checkpoint("llama"))  # a fresh copy: the run trains it
     if lora:
         apply_lora(loaded.model, LoraConfig(rank=4))
     cfg = RLHFConfig(**{"num_generations": 8, "prompts_per_step": 8, "max_tokens": 8, **options})
     check_rlhf_config(cfg)
     train_cfg = TrainConfig(lr=lr, warmup_steps=0, schedule="constant", zero_stage=0)
-    trainer = initialize(loaded.model, train_cfg, torch.float32, 1, 1000, PolicyObjective(loaded.model, cfg))
+    critic = value_head(loaded.model) if cfg.algorithm == "ppo" else None
+    trainer = initialize(loaded.model, train_cfg, torch.float32, 1, 1000, PolicyObjective(loaded.model, cfg, critic))
     reference = None if lora else load_model(tiny_checkpoint("llama")).model
-    return GRPO(make_engine(loaded, num_blocks=128, packed_weights=True), trainer, low_tokens, cfg, reference, seed=1)
+    engine = make_engine(loaded, num_blocks=128, packed_weights=True)
+    return algorithm(cfg.algorithm)(engine, trainer, low_tokens, cfg, reference, seed=1)
 
 
-def test_a_synthetic_reward_is_learned(runtime, tiny_checkpoint):
-    grpo, rng = _grpo(tiny_checkpoint), random.Random(0)
+@pytest.mark.parametrize("options", [{}, {"algorithm": "ppo", "kl_coef": 0.0, "kl_estimator": "k1"}], ids=["grpo", "ppo"])
+def test_a_synthetic_reward_is_learned(runtime, tiny_checkpoint, options):
+    grpo, rng = _grpo(tiny_checkpoint, **options), random.Random(0)
     started, rewards = time.monotonic(), []
     while len(rewards) < 60 and not (len(rewards) >= 3 and min(rewards[-3:]) > 0.6):
         rewards.append(grpo.step(_prompts(rng, 8))["reward"])
@@ -82,7 +86,40 @@ def test_the_gate_stops_a_run_whose_engine_samples_another_policy(runtime, tiny_
         grpo.step(_prompts(random.Random(0), 2))
 
 
+def test_the_kv_cache_is_released_while_training_and_taken_back_for_rollouts(runtime, tiny_checkpoint):
+    grpo = _grpo(tiny_checkpoint)
+    cache = grpo.engine.runner.cache
+    metrics = grpo.step(_prompts(random.Random(0), 2))
+    assert metrics["memory/kv_cache_released_bytes"] == cache.total_bytes > 0
+    assert not cache.allocated
+    assert grpo.step(_prompts(random.Random(1), 2))["sampling/sampling_logp_difference/mean"] <= 1e-5
+
+
+def test_entropy_is_that_of_the_whole_distribution(runtime, tiny_checkpoint):
+    grpo = _grpo(tiny_checkpoint)
+    batch = TokenBatch.of(generate(grpo.engine, [p.ids for p in _prompts(random.Random(0), 2)], 2, 6, seed=3))
+    with torch.no_grad():
+        out = completion_forward(grpo.model, batch, entropy=True)
+        hidden = grpo.model(batch.input_ids, torch.arange(batch.input_ids.shape[1]))
+        probs = grpo.model.logits(hidden).float().softmax(-1)
+    rows, columns = batch.completion_positions()
+    want = -(probs * probs.log()).sum(-1)[rows, columns] * batch.mask
+    torch.testing.assert_close(out.entropy, want, atol=1e-4, rtol=1e-4)
+
+
+def test_ppo_values_start_at_zero_and_learn(runtime, tiny_checkpoint):
+    ppo = _grpo(tiny_checkpoint, algorithm="ppo", num_generations=2, kl_coef=0.05, kl_estimator="k1", vf_coef=1.0)
+    rng = random.Random(0)
+    first = ppo.step(_prompts(rng, 8))
+    assert first["values/mean"] == 0.0 and first["value_loss"] > 0
+    later = [ppo.step(_prompts(rng, 8)) for _ in range(5)]
+    assert later[-1]["values/mean"] != 0.0
+    assert later[-1]["value_loss"] < first["value_loss"], [m["value_loss"] for m in [first, *later]]
+
+
 @pytest.mark.parametrize("options,words", [({"num_generations": 1}, "at least 2"),
+                                           ({"algorithm": "reinforce"}, "grpo or ppo"),
+                                           ({"algorithm": "ppo", "lam": 1.5}, "within"),
                                            ({"kl_estimator": "k2"}, "k1 or k3"),
                                            ({"loss_level": "batch"}, "token or sequence"),
                                            ({"tis_cap": 0.0}, "positive")])

@@ -1,0 +1,216 @@
+"""One GRPO or PPO step, colocated: rollouts from the engine on the policy's own modules, rewards,
+advantages, the consistency gate, then `updates_per_batch` optimizer updates through DeepSpeed.
+
+The old log-probabilities are the trainer's forward before the first update (the policy that sampled,
+as the trainer computes it); the gate compares them with what the engine reported for the same tokens
+and stops the run past `rlhf.max_logprob_diff`. Under LoRA the reference is the base model with the
+adapters switched off, so no second copy of the weights exists; when all weights train it is a second,
+frozen instance of the starting weights. During the updates the engine's KV cache is released (training
+takes the memory); after them the engine's derived weight copies (packed CPU weights) are refreshed and
+its prefix cache starts empty (its K/V came from the old policy).
+
+GRPO scores each completion against its group (the prompt's other completions). PPO learns a value head
+(a scalar linear on the policy's last hidden state, trained with it) and estimates token advantages with
+GAE; as in TRL and OpenRLHF, its KL penalty is part of the per-token reward rather than of the loss.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from unified.checkpoint.lora import adapters_disabled, has_adapters
+from unified.errors import UserError
+from unified.rlhf.advantages import gae, group_advantages, last_token_rewards
+from unified.rlhf.losses import (KL_ESTIMATORS, LOSS_LEVELS, PolicyLossStats, kl_estimate, masked_mean, policy_loss,
+                                 value_loss)
+from unified.rlhf.rewards import RewardFn, score
+from unified.rlhf.rollout import Rollout, TokenBatch, completion_forward, completion_logprobs, generate
+
+ALGORITHMS = ("grpo", "ppo")
+
+
+def check_rlhf_config(cfg) -> None:
+    """Every option a user can get wrong, before anything is loaded or generated."""
+    if cfg.algorithm not in ALGORITHMS:
+        raise UserError(f"rlhf.algorithm={cfg.algorithm!r} is unknown; choose {' or '.join(ALGORITHMS)}")
+    if cfg.algorithm == "grpo" and cfg.num_generations < 2:
+        raise UserError(f"rlhf.num_generations={cfg.num_generations}: GRPO compares completions within a group, "
+                        f"so it needs at least 2")
+    if cfg.kl_estimator not in KL_ESTIMATORS:
+        raise UserError(f"rlhf.kl_estimator={cfg.kl_estimator!r} is unknown; choose {' or '.join(KL_ESTIMATORS)}")
+    if cfg.loss_level not in LOSS_LEVELS:
+        raise UserError(f"rlhf.loss_level={cfg.loss_level!r} is unknown; choose {' or '.join(LOSS_LEVELS)}")
+    for name in ("num_generations", "prompts_per_step", "max_tokens", "updates_per_batch"):
+        if getattr(cfg, name) < 1:
+            raise UserError(f"rlhf.{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.tis_cap is not None and cfg.tis_cap <= 0:
+        raise UserError(f"rlhf.tis_cap={cfg.tis_cap} must be positive (or null: off)")
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(cfg, name) <= 1:
+            raise UserError(f"rlhf.{name}={getattr(cfg, name)} must be within [0, 1]")
+
+
+def _frozen(model: nn.Module) -> nn.Module:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval()
+
+
+def value_head(model: nn.Module) -> nn.Linear:
+    """PPO's critic on the shared model: a scalar linear on the last hidden state, starting at 0."""
+    weight = next(model.parameters())
+    head = nn.Linear(model.config.hidden_size, 1, device=weight.device, dtype=weight.dtype)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+class PolicyObjective(nn.Module):
+    """The loss inside one module forward, so that DeepSpeed (ZeRO-3 included) sees what it reads: the
+    clipped policy loss, with PPO's value loss when the objective holds a value head."""
+
+    def __init__(self, model: nn.Module, cfg, value_head: nn.Linear | None = None):
+        super().__init__()
+        self.model, self.cfg, self.value_head = model, cfg, value_head
+
+    def forward(self, input_ids, completion_start, mask, old_logp, advantages, ref_logp, sampling_logp,
+                old_values=None, returns=None) -> tuple[torch.Tensor, PolicyLossStats]:
+        cfg = self.cfg
+        batch = TokenBatch(input_ids, completion_start, mask, sampling_logp)
+        out = completion_forward(self.model, batch, self.value_head)
+        kl_in_loss = cfg.kl_coef if self.value_head is None else 0.0  # PPO puts it in the reward
+        loss, stats = policy_loss(out.logp, old_logp, advantages, mask, clip_low=cfg.clip_low,
+                                  clip_high=cfg.clip_high, ref_logp=ref_logp, kl_coef=kl_in_loss,
+                                  kl_estimator=cfg.kl_estimator, level=cfg.loss_level, sampling_logp=sampling_logp,
+                                  tis_cap=cfg.tis_cap)
+        if self.value_head is not None:
+            critic = value_loss(out.values, old_values, returns, mask, cfg.value_clip)
+            loss = loss + cfg.vf_coef * critic
+            stats.value_loss = float(critic.detach())
+        return loss, stats
+
+
+@dataclass
+class Prompt:
+    ids: list[int]
+    text: str | list[dict]  # what the reward function sees: the prompt's text or messages
+    fields: dict  # the task's own fields (the answer, say), passed to the reward function
+
+
+def score_rollouts(reward: RewardFn, prompts: list[Prompt], rollouts: list[Rollout]) -> list[float]:
+    """The checked rewards of rollouts: each sees its prompt's text and task fields, and its completion ids."""
+    fields = {key: [prompts[r.group].fields[key] for r in rollouts] for key in prompts[0].fields}
+    fields["completion_ids"] = [r.completion_ids for r in rollouts]
+    return score(reward, [prompts[r.group].text for r in rollouts], [r.text for r in rollouts], fields)
+
+
+@dataclass
+class Advantages:
+    advantages: torch.Tensor  # [B] per completion or [B, T] per token
+    returns: torch.Tensor | None = None  # PPO: the value head's targets [B, T]
+
+
+class GRPO:
+    name = "grpo"
+
+    def __init__(self, engine, trainer, reward: RewardFn, cfg, reference: nn.Module | None = None, seed: int = 0):
+        """`engine`: the LLMEngine over the policy's modules; `trainer`: the DeepSpeed engine around a
+        PolicyObjective of the same model. Under LoRA the reference is the base model (adapters off);
+        when every weight trains, `reference` must be the model as it starts (loaded a second time: it is
+        frozen here)."""
+        self.engine, self.trainer, self.reward, self.cfg = engine, trainer, reward, cfg
+        self.model = trainer.module.model
+        self.value_head = trainer.module.value_head
+        self.lora = has_adapters(self.model)
+        if not self.lora and reference is None:
+            raise ValueError("training every weight needs a reference model: the policy as it starts")
+        self.reference = None if self.lora else _frozen(reference)
+        self.seed = seed
+        self.steps = 0
+
+    def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
+        if self.reference is not None:
+            return completion_logprobs(self.reference, batch)
+        with adapters_disabled(self.model):
+            return completion_logprobs(self.model, batch)
+
+    def refresh_derived_copies(self) -> None:
+        """The engine's packed copies of weights that just changed (none change under LoRA: the base is frozen)."""
+        if not self.lora and self.engine.cfg.packed_weights:
+            self.model.pack_weights()
+
+    def advantages(self, rewards: torch.Tensor, batch: TokenBatch, old, ref_logp: torch.Tensor) -> Advantages:
+        return Advantages(group_advantages(rewards, self.cfg.num_generations, self.cfg.scale_rewards))
+
+    def step(self, prompts: list[Prompt]) -> dict[str, float]:
+        cfg, model, G = self.cfg, self.model, self.cfg.num_generations
+        device = next(model.parameters()).device
+        started = time.perf_counter()
+        rollouts = generate(self.engine, [p.ids for p in prompts], G, cfg.max_tokens, cfg.temperature,
+                            seed=self.seed + self.steps * len(prompts) * G)
+        released = self.engine.release_kv_cache()
+        rollout_s = time.perf_counter() - started
+        rewards = torch.tensor(score_rollouts(self.reward, prompts, rollouts), device=device)
+        batch = TokenBatch.of(rollouts, device)
+        train_started = time.perf_counter()
+        with torch.no_grad():
+            old = completion_forward(model, batch, self.value_head, entropy=True)
+            ref_logp = self.reference_logprobs(batch)
+        gap = (old.logp - batch.sampling_logprobs).abs() * batch.mask
+        gap_mean = float(gap.sum() / batch.mask.sum().clamp(min=1))
+        if gap_mean > cfg.max_logprob_diff:
+            raise UserError(f"the engine's log-probabilities differ from the trainer's by {gap_mean:.3g} on average "
+                            f"(rlhf.max_logprob_diff={cfg.max_logprob_diff}): the rollouts did not come from the "
+                            f"policy being trained")
+        estimate = self.advantages(rewards, batch, old, ref_logp)
+        for _ in range(cfg.updates_per_batch):
+            loss, stats = self.trainer(batch.input_ids, batch.completion_start, batch.mask, old.logp,
+                                       estimate.advantages, ref_logp, batch.sampling_logprobs, old.values,
+                                       estimate.returns)
+            self.trainer.backward(loss)
+            self.trainer.step()
+        train_s = time.perf_counter() - train_started
+        sync_started = time.perf_counter()
+        self.refresh_derived_copies()
+        sync_s = time.perf_counter() - sync_started
+        self.steps += 1
+        lengths = batch.mask.sum(dim=1)
+        tokens = float(lengths.sum())
+        metrics = {"reward": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+                   "loss": float(loss.detach()), "kl": stats.kl, "clip_ratio": stats.clip_ratio,
+                   "entropy": float(masked_mean(old.entropy, batch.mask)),
+                   "completions/mean_length": float(lengths.mean()),
+                   "completions/clipped_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+                   "sampling/sampling_logp_difference/mean": gap_mean,
+                   "sampling/sampling_logp_difference/max": float(gap.max()),
+                   "sampling/importance_sampling_ratio/mean": stats.importance_ratio,
+                   "timing/rollout_s": rollout_s, "timing/train_s": train_s, "timing/sync_s": sync_s,
+                   "rollout_tok_s": tokens / rollout_s, "train_tok_s": tokens * cfg.updates_per_batch / train_s,
+                   "memory/kv_cache_released_bytes": released}
+        if stats.value_loss is not None:
+            metrics.update({"value_loss": stats.value_loss, "values/mean": float(masked_mean(old.values, batch.mask))})
+        return metrics
+
+
+class PPO(GRPO):
+    name = "ppo"
+
+    def advantages(self, rewards: torch.Tensor, batch: TokenBatch, old, ref_logp: torch.Tensor) -> Advantages:
+        """GAE over token rewards: the score on each completion's last token, minus kl_coef x the KL
+        estimate on every token; advantages whitened over the batch's tokens."""
+        cfg, mask = self.cfg, batch.mask
+        token_rewards = last_token_rewards(rewards, mask) - cfg.kl_coef * kl_estimate(old.logp, ref_logp,
+                                                                                      cfg.kl_estimator) * mask
+        advantages, returns = gae(token_rewards, old.values, mask, cfg.gamma, cfg.lam)
+        if cfg.whiten_advantages:
+            mean = masked_mean(advantages, mask)
+            std = masked_mean((advantages - mean) ** 2, mask).sqrt()
+            advantages = (advantages - mean) / (std + 1e-8) * mask
+        return Advantages(advantages, returns)
+
+
+def algorithm(name: str) -> type[GRPO]:
+    return {"grpo": GRPO, "ppo": PPO}[name]
