@@ -137,6 +137,7 @@ class RLHFConfig:
     train_prompts: int = 2000  # task prompts generated for training
     eval_prompts: int = 64  # held-out task prompts, answered greedily every eval_every steps (eval/reward)
     eval_every: int = 10  # 0: never
+    eval_samples: int = 4  # sampled answers per held-out prompt besides the greedy one (eval/reward_sampled); 0: none
     num_generations: int = 4  # completions per prompt (GRPO's group: at least 2)
     prompts_per_step: int = 8
     max_tokens: int = 64  # per completion

@@ -67,21 +67,29 @@ def _prompts(records: list[dict], tokenizer) -> list[Prompt]:
 
 
 def _rollout_cache(cfg, prompts: list[Prompt]):
-    """The engine options with a KV cache sized for one step's rollouts (or the held-out set, if larger),
-    unless one is set: colocated, the rest of the memory belongs to training."""
+    """The engine options with a KV cache sized for the sequences one step's rollouts (or the held-out
+    evaluation, if larger) run at once, unless one is set: colocated, the rest of the memory belongs to training."""
     ec, rc = copy.copy(cfg.engine), cfg.rlhf
     if ec.num_blocks or ec.kv_cache_bytes:
         return ec
     longest = max(len(p.ids) for p in prompts) + rc.max_tokens
-    sequences = max(rc.prompts_per_step * rc.num_generations, rc.eval_prompts)
-    ec.num_blocks = sequences * -(-longest // ec.block_size)
+    sequences = max(rc.prompts_per_step * rc.num_generations, rc.eval_prompts * max(1, rc.eval_samples))
+    ec.num_blocks = min(sequences, ec.max_num_seqs) * -(-longest // ec.block_size)  # what runs at once
     return ec
 
 
-def _evaluate(engine, reward, prompts: list[Prompt], max_tokens: int) -> float:
-    rollouts = generate(engine, [p.ids for p in prompts], 1, max_tokens, temperature=0.0)
-    rewards = score_rollouts(reward, prompts, rollouts)
-    return sum(rewards) / len(rewards)
+def _evaluate(engine, reward, prompts: list[Prompt], rc, seed: int) -> dict[str, float]:
+    """The held-out reward: of one greedy answer per prompt (`eval/reward`) and, with rlhf.eval_samples,
+    the mean of that many sampled answers per prompt at the training temperature, with its standard error
+    over prompts (a prompt's samples are not independent of each other)."""
+    greedy = score_rollouts(reward, prompts, generate(engine, [p.ids for p in prompts], 1, rc.max_tokens, 0.0))
+    result = {"eval/reward": sum(greedy) / len(greedy)}
+    if rc.eval_samples:
+        rollouts = generate(engine, [p.ids for p in prompts], rc.eval_samples, rc.max_tokens, rc.temperature, seed)
+        per_prompt = torch.tensor(score_rollouts(reward, prompts, rollouts)).view(len(prompts), -1).mean(dim=1)
+        stderr = float(per_prompt.std() / len(prompts) ** 0.5) if len(prompts) > 1 else 0.0
+        result.update({"eval/reward_sampled": float(per_prompt.mean()), "eval/reward_sampled_stderr": stderr})
+    return result
 
 
 VALUE_HEAD = "value_head.safetensors"
@@ -148,16 +156,16 @@ def run_rlhf(cfg) -> list[dict]:
                        OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else {})
     evaluate = bool(eval_prompts and rc.eval_every)
     if evaluate and start == 0:
-        before = _evaluate(engine, reward, eval_prompts, rc.max_tokens)
-        sink.write({"step": 0, "eval/reward": before})
-        log.info("held-out reward before training: %.3f on %d prompts", before, len(eval_prompts))
+        before = _evaluate(engine, reward, eval_prompts, rc, cfg.seed + EVAL_SEED_OFFSET)
+        sink.write({"step": 0, **before})
+        log.info("held-out reward before training: %s on %d prompts", before, len(eval_prompts))
     with tqdm(total=steps, initial=start, desc=rc.algorithm) as bar:
         for step in range(start, steps):
             chosen = [train_prompts[order[(step * rc.prompts_per_step + i) % len(order)]]
                       for i in range(rc.prompts_per_step)]
             metrics = {"step": step + 1, **learner.step(chosen)}
             if evaluate and ((step + 1) % rc.eval_every == 0 or step + 1 == steps):
-                metrics["eval/reward"] = _evaluate(engine, reward, eval_prompts, rc.max_tokens)
+                metrics.update(_evaluate(engine, reward, eval_prompts, rc, cfg.seed + EVAL_SEED_OFFSET))
             sink.write(metrics)  # before the checkpoint: a resumed run drops lines past its step, never misses one
             if (tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == steps:
                 checkpoint.save(trainer, checkpoints, step + 1, runtime.accelerator, tc.keep_checkpoints, partial)
