@@ -16,6 +16,7 @@ from unified.checkpoint import load_model
 from unified.config.schema import LoraConfig, RLHFConfig, TrainConfig
 from unified.errors import UserError
 from unified.rlhf.algorithms import GRPO, PolicyObjective, Prompt, algorithm, check_rlhf_config, value_head
+from unified.rlhf.placement import Colocated
 from unified.rlhf.rollout import TokenBatch, completion_forward, completion_logprobs, generate
 from unified.train.engine import initialize
 from unified.checkpoint.lora import apply_lora
@@ -43,7 +44,7 @@ def _grpo(tiny_checkpoint, lora: bool = False, lr: float = 3e-3, **options) -> G
     trainer = initialize(loaded.model, train_cfg, torch.float32, 1, 1000, PolicyObjective(loaded.model, cfg, critic))
     reference = None if lora else load_model(tiny_checkpoint("llama")).model
     engine = make_engine(loaded, num_blocks=128, packed_weights=True)
-    return algorithm(cfg.algorithm)(engine, trainer, low_tokens, cfg, reference, seed=1)
+    return algorithm(cfg.algorithm)(Colocated(engine, loaded.model, lora), trainer, low_tokens, cfg, reference, seed=1)
 
 
 @pytest.mark.parametrize("options", [{}, {"algorithm": "ppo", "kl_coef": 0.0, "kl_estimator": "k1"}], ids=["grpo", "ppo"])
@@ -60,7 +61,7 @@ def test_a_synthetic_reward_is_learned(runtime, tiny_checkpoint, options):
 def test_the_engine_samples_the_trainers_parameters_and_logprobs_agree(runtime, tiny_checkpoint, lora):
     grpo = _grpo(tiny_checkpoint, lora=lora, lr=1e-2)
     trained = {name: p for name, p in grpo.trainer.module.model.named_parameters()}
-    served = dict(grpo.engine.model.named_parameters())
+    served = dict(grpo.rollouts.engine.model.named_parameters())
     assert served.keys() == trained.keys()
     assert all(served[n].data_ptr() == trained[n].data_ptr() for n in served), "the engine holds copies"
     rng = random.Random(0)
@@ -68,7 +69,7 @@ def test_the_engine_samples_the_trainers_parameters_and_logprobs_agree(runtime, 
     second = grpo.step(_prompts(rng, 8))  # sampled after an update: packed copies must have followed it
     for metrics in (first, second):
         assert metrics["sampling/sampling_logp_difference/mean"] <= 1e-5, metrics
-    rollouts = generate(grpo.engine, [p.ids for p in _prompts(rng, 2)], 2, 8, seed=5)
+    rollouts = generate(grpo.rollouts.engine, [p.ids for p in _prompts(rng, 2)], 2, 8, seed=5)
     batch = TokenBatch.of(rollouts)
     with torch.no_grad():
         trainer_logp = completion_logprobs(grpo.model, batch)
@@ -88,7 +89,7 @@ def test_the_gate_stops_a_run_whose_engine_samples_another_policy(runtime, tiny_
 
 def test_the_kv_cache_is_released_while_training_and_taken_back_for_rollouts(runtime, tiny_checkpoint):
     grpo = _grpo(tiny_checkpoint)
-    cache = grpo.engine.runner.cache
+    cache = grpo.rollouts.engine.runner.cache
     metrics = grpo.step(_prompts(random.Random(0), 2))
     assert metrics["memory/kv_cache_released_bytes"] == cache.total_bytes > 0
     assert not cache.allocated
@@ -97,7 +98,7 @@ def test_the_kv_cache_is_released_while_training_and_taken_back_for_rollouts(run
 
 def test_entropy_is_that_of_the_whole_distribution(runtime, tiny_checkpoint):
     grpo = _grpo(tiny_checkpoint)
-    batch = TokenBatch.of(generate(grpo.engine, [p.ids for p in _prompts(random.Random(0), 2)], 2, 6, seed=3))
+    batch = TokenBatch.of(generate(grpo.rollouts.engine, [p.ids for p in _prompts(random.Random(0), 2)], 2, 6, seed=3))
     with torch.no_grad():
         out = completion_forward(grpo.model, batch, entropy=True)
         hidden = grpo.model(batch.input_ids, torch.arange(batch.input_ids.shape[1]))

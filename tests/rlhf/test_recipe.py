@@ -43,10 +43,12 @@ def test_grpo_takes_prompts_and_a_reward_of_the_users(tiny_chat_checkpoint, tmp_
     (("rlhf.reward=nowhere.at_all:f",), "cannot import 'nowhere.at_all'"),
     (("rlhf.num_generations=1",), "needs at least 2"),
     (("rlhf.task=no_such_task",), "rlhf.task='no_such_task'"),
-    (("parallel=tp2",), "runs on one rank for now"),
+    (("parallel=tp2",), "without tensor, pipeline or expert parallelism"),
     (("data=/nonexistent/prompts.jsonl",), "/nonexistent/prompts.jsonl"),
     (("rlhf.reward_model=/nonexistent/rm",), "rlhf.reward_model='/nonexistent/rm' is not a checkpoint folder"),
     (("rlhf.algorithm=reinforce",), "grpo or ppo"),
+    (("rlhf.mode=sideways",), "colocated or separate"),
+    (("rlhf.mode=separate",), "needs at least one trainer rank and one rollout rank"),
 ])
 def test_bad_grpo_runs_stop_before_loading(tiny_chat_checkpoint, tmp_path, options, words):
     result = run_cli("recipe=grpo", f"model={tiny_chat_checkpoint}", f"output={tmp_path}", *options)

@@ -126,6 +126,11 @@ class TrainConfig:
 @dataclass
 class RLHFConfig:
     algorithm: str = "grpo"  # grpo | ppo (set by the recipe's rlhf config group)
+    # colocated: every rank trains and rolls out on the same modules; separate: the last `rollout_ranks`
+    # ranks (default half the world) roll out on their own copy, synced after each update in buckets
+    mode: str = "colocated"
+    rollout_ranks: Optional[int] = None
+    sync_bucket_mb: int = 256
     # `reward(prompts, completions, **task_fields) -> list[float]` by import path; the default scores the task
     reward: str = "unified.rlhf.tasks:task_reward"
     # An HF *ForSequenceClassification checkpoint folder scoring (prompt, completion) chats; replaces `reward`

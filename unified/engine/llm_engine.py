@@ -78,7 +78,8 @@ class _Request:
 
 class LLMEngine:
     def __init__(self, model, tokenizer, engine_cfg, device: torch.device, dtype: torch.dtype, accelerator,
-                 eos_token_ids: set[int] | None = None, image_processor=None):
+                 eos_token_ids: set[int] | None = None, image_processor=None, group=None):
+        """`group`: the ranks that run this engine together (None: the whole world); its first rank drives."""
         self.model, self.tokenizer, self.cfg = model, tokenizer, engine_cfg
         self.image_processor = image_processor  # vision-language models: turns request images into pixels
         self.config = model.config
@@ -89,13 +90,14 @@ class LLMEngine:
             cpu_ops.available()  # builds the C++ kernels now, not inside the first request
         if engine_cfg.packed_weights:
             model.pack_weights()
-        self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes, accelerator, engine_cfg.image_prefetch)
-        self.is_driver = torch.distributed.get_rank() == 0
+        self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes, accelerator, engine_cfg.image_prefetch,
+                                  group)
+        self.is_driver = torch.distributed.get_rank() == self.runner.driver
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         num_blocks = self._cache_blocks(accelerator)
         if self.runner.distributed:  # every rank must hold the blocks the driver hands out
             agreed = torch.tensor([num_blocks], device=device)  # NCCL reduces device tensors only
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=group)
             num_blocks = int(agreed.item())
         self.runner.cache = KVCache(self.config, num_blocks, engine_cfg.block_size, dtype, device,
                                     engine_cfg.kv_cache_dtype, self.tp_size, model.stage.layers)
@@ -217,8 +219,8 @@ class LLMEngine:
 
     def _swap_weights(self, staged: dict[str, torch.Tensor] | None, error: str | None) -> None:
         if self.runner.distributed:  # every rank swaps, or none
-            errors = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(errors, error)
+            errors = [None] * torch.distributed.get_world_size(self.runner.group)
+            torch.distributed.all_gather_object(errors, error, group=self.runner.group)
             failed = [f"rank {rank}: {e}" for rank, e in enumerate(errors) if e]
             if failed:
                 raise WeightMismatch(f"the served weights were kept: {'; '.join(failed)}")

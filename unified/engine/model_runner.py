@@ -39,8 +39,11 @@ class ImagesFailed(Exception):
 
 class ModelRunner:
     def __init__(self, model, device: torch.device, encoder_cache_bytes: int = 0, accelerator=None,
-                 prefetch_images: bool | None = None):
+                 prefetch_images: bool | None = None, group=None):
+        """`group`: the ranks that run this engine together (None: the whole world); its first rank drives."""
         self.model = model
+        self.group = group
+        self.driver = torch.distributed.get_global_rank(group, 0) if group is not None else 0
         self.device = device
         self.cache: KVCache | None = None
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
@@ -157,13 +160,13 @@ class ModelRunner:
 
     @property
     def distributed(self) -> bool:
-        return torch.distributed.get_world_size() > 1
+        return torch.distributed.get_world_size(self.group) > 1
 
     def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Runs the step; returns float32 logits [num sampling sequences, V] in batch order."""
         plan = self.prepare(batch)
         if self.distributed:
-            torch.distributed.broadcast_object_list([plan], src=0)
+            torch.distributed.broadcast_object_list([plan], src=self.driver, group=self.group)
         return self._run(*plan)
 
     def follow(self, on_command) -> None:
@@ -171,7 +174,7 @@ class ModelRunner:
         until it calls `stop_followers()`."""
         while True:
             box = [None]
-            torch.distributed.broadcast_object_list(box, src=0)
+            torch.distributed.broadcast_object_list(box, src=self.driver, group=self.group)
             if box[0] is None:
                 return
             if isinstance(box[0], tuple):
@@ -181,11 +184,11 @@ class ModelRunner:
 
     def command(self, message) -> None:
         """On the driver, between steps: sends every follower a message that is not a step."""
-        torch.distributed.broadcast_object_list([message], src=0)
+        torch.distributed.broadcast_object_list([message], src=self.driver, group=self.group)
 
     def stop_followers(self) -> None:
         if self.distributed:
-            torch.distributed.broadcast_object_list([None], src=0)
+            torch.distributed.broadcast_object_list([None], src=self.driver, group=self.group)
 
     @torch.inference_mode()
     def _run(self, ids, positions, meta: StepMetadata, sample_rows: list[int],

@@ -27,7 +27,7 @@ from unified.rlhf.advantages import gae, group_advantages, last_token_rewards
 from unified.rlhf.losses import (KL_ESTIMATORS, LOSS_LEVELS, PolicyLossStats, kl_estimate, masked_mean, policy_loss,
                                  value_loss)
 from unified.rlhf.rewards import RewardFn, score
-from unified.rlhf.rollout import Rollout, TokenBatch, completion_forward, completion_logprobs, generate
+from unified.rlhf.rollout import Rollout, TokenBatch, completion_forward, completion_logprobs
 
 ALGORITHMS = ("grpo", "ppo")
 
@@ -107,6 +107,11 @@ def score_rollouts(reward: RewardFn, prompts: list[Prompt], rollouts: list[Rollo
     return score(reward, [prompts[r.group].text for r in rollouts], [r.text for r in rollouts], fields)
 
 
+def rollout_seed(seed: int, step: int, prompts: int, num_generations: int) -> int:
+    """The first sampling seed of a step's rollouts (prompt i's group starts at this + i x num_generations)."""
+    return seed + step * prompts * num_generations
+
+
 @dataclass
 class Advantages:
     advantages: torch.Tensor  # [B] per completion or [B, T] per token
@@ -116,12 +121,12 @@ class Advantages:
 class GRPO:
     name = "grpo"
 
-    def __init__(self, engine, trainer, reward: RewardFn, cfg, reference: nn.Module | None = None, seed: int = 0):
-        """`engine`: the LLMEngine over the policy's modules; `trainer`: the DeepSpeed engine around a
-        PolicyObjective of the same model. Under LoRA the reference is the base model (adapters off);
-        when every weight trains, `reference` must be the model as it starts (loaded a second time: it is
-        frozen here)."""
-        self.engine, self.trainer, self.reward, self.cfg = engine, trainer, reward, cfg
+    def __init__(self, rollouts, trainer, reward: RewardFn, cfg, reference: nn.Module | None = None, seed: int = 0):
+        """`rollouts`: where completions come from (unified.rlhf.placement: Colocated or Separate);
+        `trainer`: the DeepSpeed engine around a PolicyObjective of the policy. Under LoRA the reference is
+        the base model (adapters off); when every weight trains, `reference` must be the model as it starts
+        (loaded a second time: it is frozen here)."""
+        self.rollouts, self.trainer, self.reward, self.cfg = rollouts, trainer, reward, cfg
         self.model = trainer.module.model
         self.value_head = trainer.module.value_head
         self.lora = has_adapters(self.model)
@@ -137,11 +142,6 @@ class GRPO:
         with adapters_disabled(self.model):
             return completion_logprobs(self.model, batch)
 
-    def refresh_derived_copies(self) -> None:
-        """The engine's packed copies of weights that just changed (none change under LoRA: the base is frozen)."""
-        if not self.lora and self.engine.cfg.packed_weights:
-            self.model.pack_weights()
-
     def advantages(self, rewards: torch.Tensor, batch: TokenBatch, old, ref_logp: torch.Tensor) -> Advantages:
         return Advantages(group_advantages(rewards, self.cfg.num_generations, self.cfg.scale_rewards))
 
@@ -149,9 +149,9 @@ class GRPO:
         cfg, model, G = self.cfg, self.model, self.cfg.num_generations
         device = next(model.parameters()).device
         started = time.perf_counter()
-        rollouts = generate(self.engine, [p.ids for p in prompts], G, cfg.max_tokens, cfg.temperature,
-                            seed=self.seed + self.steps * len(prompts) * G)
-        released = self.engine.release_kv_cache()
+        rollouts = self.rollouts.generate([p.ids for p in prompts], G, cfg.max_tokens, cfg.temperature,
+                                          rollout_seed(self.seed, self.steps, len(prompts), G))
+        released = self.rollouts.release()
         rollout_s = time.perf_counter() - started
         rewards = torch.tensor(score_rollouts(self.reward, prompts, rollouts), device=device)
         batch = TokenBatch.of(rollouts, device)
@@ -174,7 +174,7 @@ class GRPO:
             self.trainer.step()
         train_s = time.perf_counter() - train_started
         sync_started = time.perf_counter()
-        self.refresh_derived_copies()
+        synced = self.rollouts.weights_changed()
         sync_s = time.perf_counter() - sync_started
         self.steps += 1
         lengths = batch.mask.sum(dim=1)
@@ -190,6 +190,7 @@ class GRPO:
                    "timing/rollout_s": rollout_s, "timing/train_s": train_s, "timing/sync_s": sync_s,
                    "rollout_tok_s": tokens / rollout_s, "train_tok_s": tokens * cfg.updates_per_batch / train_s,
                    "memory/kv_cache_released_bytes": released}
+        metrics.update(synced)
         if stats.value_loss is not None:
             metrics.update({"value_loss": stats.value_loss, "values/mean": float(masked_mean(old.values, batch.mask))})
         return metrics

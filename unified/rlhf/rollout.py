@@ -28,14 +28,17 @@ class Rollout:
 
 
 def generate(engine, prompts: list[list[int]], num_generations: int, max_tokens: int, temperature: float = 1.0,
-             seed: int | None = None) -> list[Rollout]:
+             seed: int | None = None, seeds: list[int] | None = None) -> list[Rollout]:
     """`num_generations` completions of each prompt, grouped by prompt in prompt order (the engine's KV
-    cache is taken back first if training released it)."""
+    cache is taken back first if training released it). Prompt i samples with seed `seed + i x
+    num_generations`, or with `seeds[i]`."""
     engine.restore_kv_cache()
+    if seeds is None and seed is not None:
+        seeds = [seed + i * num_generations for i in range(len(prompts))]
     request_ids = []
     for i, prompt in enumerate(prompts):
         params = SamplingParams(n=num_generations, temperature=temperature, max_tokens=max_tokens, logprobs=0,
-                                seed=None if seed is None else seed + i * num_generations)
+                                seed=None if seeds is None else seeds[i])
         request_ids.append(engine.add_request(prompt, params))
     finished = {}
     while engine.has_unfinished():

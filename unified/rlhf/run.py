@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -18,9 +19,10 @@ import torch
 from omegaconf import OmegaConf
 
 from unified.errors import UserError
-from unified.rlhf.algorithms import PolicyObjective, Prompt, algorithm, check_rlhf_config, score_rollouts, value_head
+from unified.rlhf.algorithms import (PolicyObjective, Prompt, algorithm, check_rlhf_config, rollout_seed, score_rollouts,
+                                     value_head)
+from unified.rlhf.placement import Colocated, Roles, Separate
 from unified.rlhf.rewards import load_reward
-from unified.rlhf.rollout import generate
 from unified.rlhf.tasks import read_prompts, task_prompts
 
 log = logging.getLogger(__name__)
@@ -40,8 +42,15 @@ def _check_run(cfg):
         raise UserError(f"rlhf.reward_model={cfg.rlhf.reward_model!r} is not a checkpoint folder (no config.json there); "
                         f"give the folder of an HF *ForSequenceClassification model")
     if cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.expert > 1:
-        raise UserError(f"recipe={cfg.job} runs on one rank for now (parallel=single); multi-rank rollouts and the "
-                        "separate trainer/rollout mode are not built yet")
+        raise UserError(f"recipe={cfg.job} runs without tensor, pipeline or expert parallelism for now "
+                        f"(parallel=single); use rlhf.mode=separate to spread it over ranks")
+    roles = Roles.of(cfg.rlhf, int(os.environ.get("WORLD_SIZE", "1")))
+    if not roles.separate and roles.world > 1:
+        raise UserError(f"recipe={cfg.job} colocated runs on one rank for now; with {roles.world} ranks, "
+                        f"set rlhf.mode=separate (trainer and rollout ranks)")
+    if len(roles.trainers) > 1:
+        raise UserError(f"rlhf.mode=separate trains on one rank for now; with {roles.world} ranks set "
+                        f"rlhf.rollout_ranks={roles.world - 1}")
     return None if cfg.rlhf.reward_model is not None else load_reward(cfg.rlhf.reward)  # the model loads later
 
 
@@ -78,15 +87,20 @@ def _rollout_cache(cfg, prompts: list[Prompt]):
     return ec
 
 
-def _evaluate(engine, reward, prompts: list[Prompt], rc, seed: int) -> dict[str, float]:
+def _evaluate(rollouts, reward, prompts: list[Prompt], rc, seed: int) -> dict[str, float]:
     """The held-out reward: of one greedy answer per prompt (`eval/reward`) and, with rlhf.eval_samples,
     the mean of that many sampled answers per prompt at the training temperature, with its standard error
-    over prompts (a prompt's samples are not independent of each other)."""
-    greedy = score_rollouts(reward, prompts, generate(engine, [p.ids for p in prompts], 1, rc.max_tokens, 0.0))
-    result = {"eval/reward": sum(greedy) / len(greedy)}
-    if rc.eval_samples:
-        rollouts = generate(engine, [p.ids for p in prompts], rc.eval_samples, rc.max_tokens, rc.temperature, seed)
-        per_prompt = torch.tensor(score_rollouts(reward, prompts, rollouts)).view(len(prompts), -1).mean(dim=1)
+    over prompts (a prompt's samples are not independent of each other). Rollout ranks of a separate run
+    only generate (`reward` None)."""
+    ids = [p.ids for p in prompts]
+    greedy = rollouts.generate(ids, 1, rc.max_tokens, 0.0, None)
+    sampled = rollouts.generate(ids, rc.eval_samples, rc.max_tokens, rc.temperature, seed) if rc.eval_samples else []
+    if reward is None:
+        return {}
+    scores = score_rollouts(reward, prompts, greedy)
+    result = {"eval/reward": sum(scores) / len(scores)}
+    if sampled:
+        per_prompt = torch.tensor(score_rollouts(reward, prompts, sampled)).view(len(prompts), -1).mean(dim=1)
         stderr = float(per_prompt.std() / len(prompts) ** 0.5) if len(prompts) > 1 else 0.0
         result.update({"eval/reward_sampled": float(per_prompt.mean()), "eval/reward_sampled_stderr": stderr})
     return result
@@ -122,7 +136,15 @@ def run_rlhf(cfg) -> list[dict]:
     rc, tc, output = cfg.rlhf, cfg.train, Path(cfg.output)
     train_records, eval_records = _prompt_records(cfg)
     runtime = start_runtime(cfg.device, cfg.parallel, cfg.seed)
-    if reward is None:
+    roles = Roles.of(rc, torch.distributed.get_world_size())
+    if roles.separate:
+        import deepspeed
+
+        # DeepSpeed's communication setup (its shared-memory reduce on CPU) needs every rank, but only the
+        # trainer ranks go on to deepspeed.initialize: set it up here, together.
+        deepspeed.comm.init_distributed(runtime.accelerator.communication_backend_name())
+    trains = not roles.separate or roles.trains(torch.distributed.get_rank())
+    if reward is None and trains:
         from unified.rlhf.reward_model import load_reward_model
 
         reward = load_reward_model(rc.reward_model, runtime.device, runtime.dtype)
@@ -130,51 +152,82 @@ def run_rlhf(cfg) -> list[dict]:
     tokenizer = AutoTokenizer.from_pretrained(path)
     train_prompts, eval_prompts = _prompts(train_records, tokenizer), _prompts(eval_records, tokenizer)
     loaded = load_model(path, runtime.device, runtime.dtype)
-    model = loaded.model
-    reference = None
-    if tc.lora.rank > 0:
-        apply_lora(model, tc.lora)
-    else:
-        reference = load_model(path, runtime.device, runtime.dtype).model
+    model, lora = loaded.model, tc.lora.rank > 0
+    if lora:
+        apply_lora(model, tc.lora)  # on rollout ranks too: the adapters they receive go there
+    reference = load_model(path, runtime.device, runtime.dtype).model if trains and not lora else None
     steps = cfg.steps or 1
     tc.zero_stage = 0 if tc.zero_stage is None else tc.zero_stage
-    critic = value_head(model) if rc.algorithm == "ppo" else None
-    trainer = initialize(model, tc, runtime.dtype, 1, steps, PolicyObjective(model, rc, critic))
-    engine = LLMEngine(model, tokenizer, _rollout_cache(cfg, train_prompts + eval_prompts), runtime.device,
-                       runtime.dtype, runtime.accelerator, eos_ids(tokenizer, path))
-    learner = algorithm(rc.algorithm)(engine, trainer, reward, rc, reference, seed=cfg.seed)
+
+    def engine(group=None):
+        return LLMEngine(model, tokenizer, _rollout_cache(cfg, train_prompts + eval_prompts), runtime.device,
+                         runtime.dtype, runtime.accelerator, eos_ids(tokenizer, path), group=group)
+
+    if roles.separate:
+        rollouts = Separate(roles, model, lora, bucket_bytes=rc.sync_bucket_mb << 20)
+        if not trains:
+            rollouts.engine = engine(rollouts.engine_group)
+    trainer = learner = None
+    if trains:
+        critic = value_head(model) if rc.algorithm == "ppo" else None
+        trainer = initialize(model, tc, runtime.dtype, 1, steps, PolicyObjective(model, rc, critic),
+                             data_parallel_group=rollouts.trainer_group if roles.separate else None)
+        if not roles.separate:
+            rollouts = Colocated(engine(), model, lora)
+        learner = algorithm(rc.algorithm)(rollouts, trainer, reward, rc, reference, seed=cfg.seed)
     output.mkdir(parents=True, exist_ok=True)
-    checkpoints, partial = output / CHECKPOINTS, tc.lora.rank > 0
-    start = checkpoint.resume(trainer, checkpoints, runtime.accelerator, partial) if tc.resume else 0
-    learner.steps = start  # the rollouts' seeds and the prompts' order follow the step
+    checkpoints, trainer_group = output / CHECKPOINTS, rollouts.trainer_group if roles.separate else None
+    start = checkpoint.resume(trainer, checkpoints, runtime.accelerator, lora) if trains and tc.resume else 0
+    if roles.separate:
+        box = [start]
+        torch.distributed.broadcast_object_list(box, src=roles.trainers[0])
+        start = box[0]
+    rollouts.weights_changed()  # the rollout side starts from the trainer's weights (initial or resumed)
     if start:
         log.info("continuing from the checkpoint of step %d in %s", start, checkpoints)
-    learner.refresh_derived_copies()
     order = list(range(len(train_prompts)))
     random.Random(cfg.seed).shuffle(order)
-    sink = MetricsSink(output, start, tc.wandb, tc.wandb_project,
-                       OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else {})
+    sink = (MetricsSink(output, start, tc.wandb, tc.wandb_project,
+                        OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else {})
+            if trains else None)
     evaluate = bool(eval_prompts and rc.eval_every)
+    eval_seed = cfg.seed + EVAL_SEED_OFFSET
     if evaluate and start == 0:
-        before = _evaluate(engine, reward, eval_prompts, rc, cfg.seed + EVAL_SEED_OFFSET)
-        sink.write({"step": 0, **before})
-        log.info("held-out reward before training: %s on %d prompts", before, len(eval_prompts))
-    with tqdm(total=steps, initial=start, desc=rc.algorithm) as bar:
+        before = _evaluate(rollouts, reward, eval_prompts, rc, eval_seed)
+        if sink:
+            sink.write({"step": 0, **before})
+            log.info("held-out reward before training: %s on %d prompts", before, len(eval_prompts))
+    with tqdm(total=steps, initial=start, desc=rc.algorithm, disable=not trains) as bar:
         for step in range(start, steps):
             chosen = [train_prompts[order[(step * rc.prompts_per_step + i) % len(order)]]
                       for i in range(rc.prompts_per_step)]
-            metrics = {"step": step + 1, **learner.step(chosen)}
+            saves = (tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == steps
+            if not trains:  # a rollout rank: the learner's collectives, in the learner's order
+                rollouts.generate([p.ids for p in chosen], rc.num_generations, rc.max_tokens, rc.temperature,
+                                  rollout_seed(cfg.seed, step, len(chosen), rc.num_generations))
+                rollouts.weights_changed()
+            else:
+                learner.steps = step  # the rollouts' seeds and the prompts' order follow the step
+                metrics = {"step": step + 1, **learner.step(chosen)}
             if evaluate and ((step + 1) % rc.eval_every == 0 or step + 1 == steps):
-                metrics.update(_evaluate(engine, reward, eval_prompts, rc, cfg.seed + EVAL_SEED_OFFSET))
+                result = _evaluate(rollouts, reward, eval_prompts, rc, eval_seed)
+                if trains:
+                    metrics.update(result)
+            if not trains:
+                if saves:
+                    rollouts.checkpoint_saved()
+                continue
             sink.write(metrics)  # before the checkpoint: a resumed run drops lines past its step, never misses one
-            if (tc.save_every and (step + 1) % tc.save_every == 0) or step + 1 == steps:
-                checkpoint.save(trainer, checkpoints, step + 1, runtime.accelerator, tc.keep_checkpoints, partial)
+            if saves:
+                checkpoint.save(trainer, checkpoints, step + 1, runtime.accelerator, tc.keep_checkpoints, lora,
+                                trainer_group)
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}",
                             logp_diff=f"{metrics['sampling/sampling_logp_difference/mean']:.1e}")
             bar.update()
-    sink.close()
-    if critic is not None:
-        _save_value_head(critic, output)
-    export_model(trainer, loaded, tc, output)
+    if trains:
+        sink.close()
+        if learner.value_head is not None:
+            _save_value_head(learner.value_head, output)
+        export_model(trainer, loaded, tc, output)
     torch.distributed.barrier()
-    return sink.history
+    return sink.history if sink else []

@@ -146,20 +146,21 @@ def latest_tag(directory: Path) -> str | None:
     return tag
 
 
-def save(engine, directory: Path, step: int, accelerator, keep: int, partial: bool) -> None:
-    """`partial`: some weights are frozen (LoRA, train.trainable); only the trained ones are saved."""
+def save(engine, directory: Path, step: int, accelerator, keep: int, partial: bool, group=None) -> None:
+    """`partial`: some weights are frozen (LoRA, train.trainable); only the trained ones are saved. `group`:
+    the ranks that train (None: all of them)."""
     rank = torch.distributed.get_rank()
     tag = _tag(step)
     engine.save_checkpoint(str(directory), tag=tag, client_state={"step": step}, save_latest=False,
                            exclude_frozen_parameters=partial)
     torch.save(_rng_state(accelerator), directory / tag / f"rng_rank{rank:05d}.pt")
-    torch.distributed.barrier()
-    if rank == 0:
+    torch.distributed.barrier(group=group)
+    if torch.distributed.get_rank(group) == 0:
         _write_atomically(directory / LATEST, tag)
         tags = sorted(p for p in directory.glob("step-*") if p.is_dir())
         for old in tags[:-max(keep, 1)]:
             shutil.rmtree(old, ignore_errors=True)
-    torch.distributed.barrier()
+    torch.distributed.barrier(group=group)
 
 
 def resume(engine, directory: Path, accelerator, partial: bool) -> int:

@@ -51,7 +51,24 @@ class TrainingModel(nn.Module):
 
 
 class MegatronGroups:
-    """megatron-core's parallel_state in the shape DeepSpeed asks of an `mpu`."""
+    """megatron-core's parallel_state in the shape DeepSpeed asks of an `mpu`; `data_parallel_group`
+    replaces its data-parallel group (when only some of the world's ranks train)."""
+
+    def __init__(self, data_parallel_group=None):
+        self._data_parallel_group = data_parallel_group
+
+    def get_data_parallel_group(self, *args, **kwargs):
+        if self._data_parallel_group is not None:
+            return self._data_parallel_group
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group(*args, **kwargs)
+
+    def get_data_parallel_world_size(self, *args, **kwargs) -> int:
+        return torch.distributed.get_world_size(self.get_data_parallel_group())
+
+    def get_data_parallel_rank(self, *args, **kwargs) -> int:
+        return torch.distributed.get_rank(self.get_data_parallel_group())
 
     def __getattr__(self, name):
         from megatron.core import parallel_state
@@ -124,6 +141,9 @@ def deepspeed_config(cfg: TrainConfig, dtype: torch.dtype, dp_size: int) -> dict
         "bf16": {"enabled": dtype == torch.bfloat16},
         "fp16": {"enabled": dtype == torch.float16},
         "steps_per_print": 1 << 30,
+        # Every rank always saves under the same tag; DeepSpeed's check of that is an all-reduce over the
+        # whole world, which an RLHF run's rollout ranks (no DeepSpeed engine of their own) could not join.
+        "checkpoint": {"tag_validation": "Ignore"},
     }
     # Always explicit: DeepSpeed clips at 1.0 when the key is absent. fp32 without ZeRO: `micro_step` clips.
     config["gradient_clipping"] = cfg.max_grad_norm if cfg.zero_stage != 0 or dtype != torch.float32 else 0.0
@@ -139,9 +159,10 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def initialize(model: CausalLM, cfg: TrainConfig, dtype: torch.dtype, dp_size: int, total_steps: int,
-               objective: nn.Module | None = None):
+               objective: nn.Module | None = None, data_parallel_group=None):
     """Returns the DeepSpeed engine around `objective`, a module holding `model` whose forward computes
-    the loss (by default `TrainingModel(model)`, the token cross-entropy)."""
+    the loss (by default `TrainingModel(model)`, the token cross-entropy). `data_parallel_group`: the
+    training ranks, when they are not the whole world's data-parallel group."""
     import deepspeed
 
     wrapped = objective if objective is not None else TrainingModel(model)
@@ -152,7 +173,8 @@ def initialize(model: CausalLM, cfg: TrainConfig, dtype: torch.dtype, dp_size: i
     optimizer = None if "optimizer" in config else torch.optim.AdamW(groups, lr=cfg.lr)
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, cfg))  # noqa: E731
     engine, *_ = deepspeed.initialize(model=wrapped, optimizer=optimizer, model_parameters=groups,
-                                      lr_scheduler=schedule, config=config, mpu=MegatronGroups())
+                                      lr_scheduler=schedule, config=config,
+                                      mpu=MegatronGroups(data_parallel_group))
     if cfg.zero_stage == 0 and dp_size == 1:  # one data-parallel rank: no gradient all-reduce (a flat copy for nothing)
         engine.enable_backward_allreduce = False
     return engine

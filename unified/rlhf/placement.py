@@ -1,0 +1,166 @@
+"""Where rollouts run: in the trainer's own processes (colocated) or in processes of their own (separate).
+
+Both give the learner the same three calls: `generate` the step's completions, `release` the rollout
+memory while training, and `weights_changed` after an update.
+
+Colocated, the engine runs the trainer's very modules: nothing moves. What the engine derives from the
+weights (packed CPU copies) is refreshed after an update, and its prefix cache starts empty.
+
+Separate (`rlhf.mode=separate`), one launch holds trainer ranks (the first ones) and rollout ranks (the
+last `rlhf.rollout_ranks`). Every rollout rank runs its own engine on its own copy of the model and
+answers a share of the step's prompts (prompt i goes to rollout rank i mod R, sampled with prompt i's
+seed, so the completions do not depend on how many rollout ranks there are); the completions are
+gathered on every rank. After each update the first trainer rank broadcasts the trained parameters
+(the LoRA adapters, or every weight) to the rollout ranks in buckets of `rlhf.sync_bucket_mb`, one
+flat tensor per bucket and dtype, and reports the bytes and seconds it took. Both sides hold the model
+in the same layout for now (no tensor or pipeline parallelism within a side), so nothing is resharded.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from unified.errors import UserError
+from unified.rlhf.rollout import Rollout, generate
+
+MODES = ("colocated", "separate")
+
+
+@dataclass(frozen=True)
+class Roles:
+    """Which ranks train and which roll out, in a world of `world` ranks."""
+
+    world: int
+    rollout_ranks: int
+
+    @staticmethod
+    def of(cfg, world: int) -> "Roles":
+        if cfg.mode not in MODES:
+            raise UserError(f"rlhf.mode={cfg.mode!r} is unknown; choose {' or '.join(MODES)}")
+        if cfg.mode == "colocated":
+            return Roles(world, 0)
+        rollout = cfg.rollout_ranks if cfg.rollout_ranks is not None else world // 2
+        if not 1 <= rollout < world:
+            raise UserError(f"rlhf.mode=separate needs at least one trainer rank and one rollout rank; with "
+                            f"{world} ranks, rlhf.rollout_ranks={rollout} leaves "
+                            f"{'none to train' if rollout >= world else 'none to roll out'}: launch more ranks "
+                            f"(deepspeed --num_gpus 2 ...) or set rlhf.rollout_ranks between 1 and {world - 1}")
+        return Roles(world, rollout)
+
+    @property
+    def separate(self) -> bool:
+        return self.rollout_ranks > 0
+
+    @property
+    def trainers(self) -> list[int]:
+        return list(range(self.world - self.rollout_ranks))
+
+    @property
+    def rollouts(self) -> list[int]:
+        return list(range(self.world - self.rollout_ranks, self.world))
+
+    def trains(self, rank: int) -> bool:
+        return rank in self.trainers
+
+
+class Colocated:
+    def __init__(self, engine, model: nn.Module, lora: bool):
+        self.engine, self.model, self.lora = engine, model, lora
+
+    def generate(self, prompts: list[list[int]], num_generations: int, max_tokens: int, temperature: float,
+                 seed: int | None) -> list[Rollout]:
+        return generate(self.engine, prompts, num_generations, max_tokens, temperature, seed)
+
+    def release(self) -> int:
+        return self.engine.release_kv_cache()
+
+    def weights_changed(self) -> dict[str, float]:
+        """The engine's packed copies of weights that just changed (none change under LoRA: the base is frozen)."""
+        if not self.lora and self.engine.cfg.packed_weights:
+            self.model.pack_weights()
+        return {}
+
+
+def synced_parameters(model: nn.Module, lora: bool) -> list[tuple[str, nn.Parameter]]:
+    """What an update changes, in the same order on every rank: the adapters under LoRA, else every weight."""
+    params = sorted(model.named_parameters())
+    return [(name, p) for name, p in params if ".lora." in name] if lora else params
+
+
+class Separate:
+    """Every rank of a separate-mode launch holds one; `engine` only on rollout ranks."""
+
+    def __init__(self, roles: Roles, model: nn.Module, lora: bool, engine=None, bucket_bytes: int = 256 << 20):
+        self.roles, self.model, self.lora, self.engine = roles, model, lora, engine
+        self.rank = torch.distributed.get_rank()
+        self.bucket_bytes = bucket_bytes
+        # Every rank creates every group, in the same order (torch.distributed requires it).
+        self.sync_group = torch.distributed.new_group([roles.trainers[0], *roles.rollouts])
+        self.trainer_group = torch.distributed.new_group(roles.trainers)
+        engine_groups = [torch.distributed.new_group([rank]) for rank in roles.rollouts]  # one engine per rank
+        self.engine_group = engine_groups[roles.rollouts.index(self.rank)] if self.rank in roles.rollouts else None
+        self.device = next(model.parameters()).device
+
+    def generate(self, prompts: list[list[int]], num_generations: int, max_tokens: int, temperature: float,
+                 seed: int | None) -> list[Rollout]:
+        """A collective of every rank: each rollout rank answers its share, and every rank gets all of them."""
+        mine: list[Rollout] = []
+        if self.engine is not None:
+            share = self.roles.rollouts.index(self.rank)
+            chosen = list(range(share, len(prompts), self.roles.rollout_ranks))
+            seeds = None if seed is None else [seed + i * num_generations for i in chosen]
+            mine = generate(self.engine, [prompts[i] for i in chosen], num_generations, max_tokens, temperature,
+                            seeds=seeds)
+            for rollout in mine:
+                rollout.group = chosen[rollout.group]
+        gathered: list = [None] * self.roles.world
+        torch.distributed.all_gather_object(gathered, mine)
+        return sorted((r for part in gathered for r in part), key=lambda r: r.group)
+
+    def release(self) -> int:
+        return 0  # the trainer ranks hold no KV cache; the rollout ranks keep theirs
+
+    def weights_changed(self) -> dict[str, float]:
+        """From the first trainer rank to every rollout rank; the other trainer ranks take no part."""
+        if self.rank not in (self.roles.trainers[0], *self.roles.rollouts):
+            return {}
+        started, sent = time.perf_counter(), 0
+        with torch.no_grad():
+            for bucket in self._buckets():
+                flat = (torch.cat([p.detach().reshape(-1) for _, p in bucket]) if self.rank == self.roles.trainers[0]
+                        else torch.empty(sum(p.numel() for _, p in bucket), dtype=bucket[0][1].dtype,
+                                         device=self.device))
+                torch.distributed.broadcast(flat, self.roles.trainers[0], group=self.sync_group)
+                sent += flat.numel() * flat.element_size()
+                if self.engine is not None:
+                    offset = 0
+                    for _, p in bucket:
+                        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                        offset += p.numel()
+        if self.engine is not None:
+            if not self.lora and self.engine.cfg.packed_weights:
+                self.model.pack_weights()
+            self.engine.blocks.reset_prefix_cache()  # its K/V came from the weights before this update
+        return {"sync/bytes": float(sent), "sync/seconds": time.perf_counter() - started}
+
+    def checkpoint_saved(self) -> None:
+        """On rollout ranks, while the trainer saves a checkpoint: DeepSpeed's save_checkpoint holds two
+        barriers of the whole world, which these ranks must meet."""
+        if self.engine is not None:
+            for _ in range(2):
+                torch.distributed.barrier()
+
+    def _buckets(self) -> list[list[tuple[str, nn.Parameter]]]:
+        buckets: list[list[tuple[str, nn.Parameter]]] = []
+        size = 0
+        for name, p in synced_parameters(self.model, self.lora):
+            nbytes = p.numel() * p.element_size()
+            if not buckets or size + nbytes > self.bucket_bytes or buckets[-1][0][1].dtype != p.dtype:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((name, p))
+            size += nbytes
+        return buckets
