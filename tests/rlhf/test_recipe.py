@@ -48,6 +48,7 @@ def test_grpo_takes_prompts_and_a_reward_of_the_users(tiny_chat_checkpoint, tmp_
     (("rlhf.reward_model=/nonexistent/rm",), "rlhf.reward_model='/nonexistent/rm' is not a checkpoint folder"),
     (("rlhf.algorithm=reinforce",), "grpo or ppo"),
     (("rlhf.mode=sideways",), "colocated or separate"),
+    (("train.zero_stage=3",), "does not run under ZeRO-3 yet"),
     (("rlhf.mode=separate",), "needs at least one trainer rank and one rollout rank"),
 ])
 def test_bad_grpo_runs_stop_before_loading(tiny_chat_checkpoint, tmp_path, options, words):

@@ -44,6 +44,9 @@ def _check_run(cfg):
     if cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.expert > 1:
         raise UserError(f"recipe={cfg.job} runs without tensor, pipeline or expert parallelism for now "
                         f"(parallel=single); use rlhf.mode=separate to spread it over ranks")
+    if cfg.train.zero_stage == 3:
+        raise UserError(f"recipe={cfg.job} does not run under ZeRO-3 yet: the engine would need the partitioned "
+                        f"weights gathered for every rollout; use train.zero_stage=0, 1 or 2")
     roles = Roles.of(cfg.rlhf, int(os.environ.get("WORLD_SIZE", "1")))
     if not roles.separate and roles.world > 1:
         raise UserError(f"recipe={cfg.job} colocated runs on one rank for now; with {roles.world} ranks, "
