@@ -155,6 +155,7 @@ class RLHFConfig:
     loss_level: str = "token"  # token | sequence: how the policy loss averages
     scale_rewards: bool = True  # divide group advantages by the group's std (false: Dr. GRPO)
     tis_cap: Optional[float] = None  # truncated importance sampling of the policy loss (e.g. 2.0); None: off
+    reference_on_host: bool = False  # all weights training: keep the frozen reference copy in host memory
     max_logprob_diff: float = 1e-3  # the engine's and the trainer's log-probabilities may differ this much (mean)
     # PPO: GAE's discount and lambda, the value loss's weight and clip (None: unclipped), whitened advantages
     gamma: float = 1.0

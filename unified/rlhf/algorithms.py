@@ -138,7 +138,8 @@ class GRPO:
 
     def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         if self.reference is not None:
-            return completion_logprobs(self.reference, batch)
+            device = next(self.reference.parameters()).device  # the host, with rlhf.reference_on_host
+            return completion_logprobs(self.reference, batch.to(device)).to(batch.mask.device)
         with adapters_disabled(self.model):
             return completion_logprobs(self.model, batch)
 

@@ -79,6 +79,10 @@ class TokenBatch:
         starts = torch.tensor([len(r.prompt_ids) for r in rollouts])
         return cls(ids.to(device), starts.to(device), mask.to(device), sampled.to(device))
 
+    def to(self, device: torch.device | str) -> "TokenBatch":
+        return TokenBatch(self.input_ids.to(device), self.completion_start.to(device), self.mask.to(device),
+                          self.sampling_logprobs.to(device))
+
     def completion_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, column) indexes [B, T] of the hidden states that predict each completion token (clamped
         inside the row for padding, which the mask drops)."""

@@ -158,7 +158,9 @@ def run_rlhf(cfg) -> list[dict]:
     model, lora = loaded.model, tc.lora.rank > 0
     if lora:
         apply_lora(model, tc.lora)  # on rollout ranks too: the adapters they receive go there
-    reference = load_model(path, runtime.device, runtime.dtype).model if trains and not lora else None
+    reference = None
+    if trains and not lora:
+        reference = load_model(path, "cpu" if rc.reference_on_host else runtime.device, runtime.dtype).model
     steps = cfg.steps or 1
     tc.zero_stage = 0 if tc.zero_stage is None else tc.zero_stage
 
