@@ -3,6 +3,7 @@ model; a bad run stops before anything loads, with a message saying what is wron
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -42,19 +43,36 @@ def test_grpo_takes_prompts_and_a_reward_of_the_users(tiny_chat_checkpoint, tmp_
 @pytest.mark.parametrize("options,words", [
     (("rlhf.reward=nowhere.at_all:f",), "cannot import 'nowhere.at_all'"),
     (("rlhf.num_generations=1",), "needs at least 2"),
-    (("rlhf.task=no_such_task",), "rlhf.task='no_such_task'"),
-    (("parallel=tp2",), "without tensor, pipeline or expert parallelism"),
-    (("data=/nonexistent/prompts.jsonl",), "/nonexistent/prompts.jsonl"),
-    (("rlhf.reward_model=/nonexistent/rm",), "rlhf.reward_model='/nonexistent/rm' is not a checkpoint folder"),
-    (("rlhf.algorithm=reinforce",), "grpo or ppo"),
-    (("rlhf.mode=sideways",), "colocated or separate"),
-    (("train.zero_stage=3",), "does not run under ZeRO-3 yet"),
     (("rlhf.mode=separate",), "needs at least one trainer rank and one rollout rank"),
 ])
 def test_bad_grpo_runs_stop_before_loading(tiny_chat_checkpoint, tmp_path, options, words):
     result = run_cli("recipe=grpo", f"model={tiny_chat_checkpoint}", f"output={tmp_path}", *options)
     assert result.returncode == 2 and words in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("options,words", [
+    (("rlhf.task=no_such_task",), "rlhf.task='no_such_task'"),
+    (("parallel.tensor=2",), "without tensor, pipeline or expert parallelism"),
+    (("data=/nonexistent/prompts.jsonl",), "/nonexistent/prompts.jsonl"),
+    (("rlhf.reward_model=/nonexistent/rm",), "rlhf.reward_model='/nonexistent/rm' is not a checkpoint folder"),
+    (("rlhf.algorithm=reinforce",), "grpo or ppo"),
+    (("rlhf.mode=sideways",), "colocated or separate"),
+    (("train.zero_stage=3",), "does not run under ZeRO-3 yet"),
+    (("rlhf.algorithm=ppo", "rlhf.lam=1.5"), "within [0, 1]"),
+])
+def test_bad_runs_are_named_before_anything_loads(tmp_path, options, words):
+    from omegaconf import OmegaConf
+
+    from unified.config.schema import RunConfig
+    from unified.errors import UserError
+    from unified.rlhf.run import _check_run, _prompt_records
+
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {"job": "grpo", "output": str(tmp_path)},
+                          OmegaConf.from_dotlist(list(options)))
+    with pytest.raises(UserError, match=re.escape(words)):
+        _check_run(cfg)
+        _prompt_records(cfg)
 
 
 def test_ppo_saves_its_value_head_beside_a_servable_model(tiny_chat_checkpoint, tmp_path):
