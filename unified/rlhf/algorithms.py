@@ -27,7 +27,7 @@ from unified.rlhf.advantages import gae, group_advantages, last_token_rewards
 from unified.rlhf.losses import (KL_ESTIMATORS, LOSS_LEVELS, PolicyLossStats, kl_estimate, masked_mean, policy_loss,
                                  value_loss)
 from unified.rlhf.rewards import RewardFn, score
-from unified.rlhf.rollout import Rollout, TokenBatch, completion_forward, completion_logprobs
+from unified.rlhf.rollout import CompletionForward, Rollout, TokenBatch, completion_forward, completion_logprobs
 
 ALGORITHMS = ("grpo", "ppo")
 
@@ -48,7 +48,7 @@ def check_rlhf_config(cfg) -> None:
             raise UserError(f"rlhf.{name}={getattr(cfg, name)} must be at least 1")
     if cfg.tis_cap is not None and cfg.tis_cap <= 0:
         raise UserError(f"rlhf.tis_cap={cfg.tis_cap} must be positive (or null: off)")
-    for name in ("gamma", "lam"):
+    for name in ("gamma", "lam", "kl_report_fraction"):
         if not 0 <= getattr(cfg, name) <= 1:
             raise UserError(f"rlhf.{name}={getattr(cfg, name)} must be within [0, 1]")
 
@@ -77,10 +77,15 @@ class PolicyObjective(nn.Module):
         self.model, self.cfg, self.value_head = model, cfg, value_head
 
     def forward(self, input_ids, completion_start, mask, old_logp, advantages, ref_logp, sampling_logp,
-                old_values=None, returns=None) -> tuple[torch.Tensor, PolicyLossStats]:
+                old_values=None, returns=None) -> tuple[torch.Tensor, PolicyLossStats, CompletionForward]:
+        """`old_logp` None: this forward is the policy that sampled (a batch's first update), so its own
+        log-probabilities, detached, are the old ones. Returns the loss, its statistics, and this forward's
+        log-probabilities and entropies (detached)."""
         cfg = self.cfg
         batch = TokenBatch(input_ids, completion_start, mask, sampling_logp)
-        out = completion_forward(self.model, batch, self.value_head)
+        out = completion_forward(self.model, batch, self.value_head, entropy=old_logp is None)
+        if old_logp is None:
+            old_logp = out.logp.detach()
         kl_in_loss = cfg.kl_coef if self.value_head is None else 0.0  # PPO puts it in the reward
         loss, stats = policy_loss(out.logp, old_logp, advantages, mask, clip_low=cfg.clip_low,
                                   clip_high=cfg.clip_high, ref_logp=ref_logp, kl_coef=kl_in_loss,
@@ -90,7 +95,7 @@ class PolicyObjective(nn.Module):
             critic = value_loss(out.values, old_values, returns, mask, cfg.value_clip)
             loss = loss + cfg.vf_coef * critic
             stats.value_loss = float(critic.detach())
-        return loss, stats
+        return loss, stats, CompletionForward(out.logp.detach(), out.entropy, None)
 
 
 @dataclass
@@ -146,6 +151,16 @@ class GRPO:
     def advantages(self, rewards: torch.Tensor, batch: TokenBatch, old, ref_logp: torch.Tensor) -> Advantages:
         return Advantages(group_advantages(rewards, self.cfg.num_generations, self.cfg.scale_rewards))
 
+    def _gate(self, trainer_logp: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+        """|trainer - engine| log-probability of each sampled token; stops the run past rlhf.max_logprob_diff."""
+        gap = (trainer_logp - batch.sampling_logprobs).abs() * batch.mask
+        gap_mean = float(gap.sum() / batch.mask.sum().clamp(min=1))
+        if gap_mean > self.cfg.max_logprob_diff:
+            raise UserError(f"the engine's log-probabilities differ from the trainer's by {gap_mean:.3g} on average "
+                            f"(rlhf.max_logprob_diff={self.cfg.max_logprob_diff}): the rollouts did not come from "
+                            f"the policy being trained")
+        return gap
+
     def step(self, prompts: list[Prompt]) -> dict[str, float]:
         cfg, model, G = self.cfg, self.model, self.cfg.num_generations
         device = next(model.parameters()).device
@@ -157,22 +172,27 @@ class GRPO:
         rewards = torch.tensor(score_rollouts(self.reward, prompts, rollouts), device=device)
         batch = TokenBatch.of(rollouts, device)
         train_started = time.perf_counter()
+        kl_trains = cfg.kl_coef > 0  # else the reference only serves the reported KL: a share of the rows will do
+        kl_rows = len(rollouts) if kl_trains else max(1, round(len(rollouts) * cfg.kl_report_fraction))
         with torch.no_grad():
-            old = completion_forward(model, batch, self.value_head, entropy=True)
-            ref_logp = self.reference_logprobs(batch)
-        gap = (old.logp - batch.sampling_logprobs).abs() * batch.mask
-        gap_mean = float(gap.sum() / batch.mask.sum().clamp(min=1))
-        if gap_mean > cfg.max_logprob_diff:
-            raise UserError(f"the engine's log-probabilities differ from the trainer's by {gap_mean:.3g} on average "
-                            f"(rlhf.max_logprob_diff={cfg.max_logprob_diff}): the rollouts did not come from the "
-                            f"policy being trained")
+            # GRPO's advantages need no forward: the first update's own forward is the policy that sampled
+            old = completion_forward(model, batch, self.value_head, entropy=True) if self.value_head is not None else None
+            ref_logp = self.reference_logprobs(batch.rows(kl_rows)) if kl_trains or cfg.kl_report_fraction > 0 else None
         estimate = self.advantages(rewards, batch, old, ref_logp)
-        for _ in range(cfg.updates_per_batch):
-            loss, stats = self.trainer(batch.input_ids, batch.completion_start, batch.mask, old.logp,
-                                       estimate.advantages, ref_logp, batch.sampling_logprobs, old.values,
-                                       estimate.returns)
+        old_logp = None if old is None else old.logp
+        for update in range(cfg.updates_per_batch):
+            loss, stats, now = self.trainer(batch.input_ids, batch.completion_start, batch.mask, old_logp,
+                                            estimate.advantages, ref_logp if kl_trains else None,
+                                            batch.sampling_logprobs, None if old is None else old.values,
+                                            estimate.returns)
+            if update == 0:
+                old_logp, entropy = (now.logp, now.entropy) if old is None else (old.logp, old.entropy)
+                gap = self._gate(old_logp, batch)  # before the first optimizer step
             self.trainer.backward(loss)
             self.trainer.step()
+        if ref_logp is not None and not kl_trains:
+            stats.kl = float(masked_mean(kl_estimate(old_logp[:kl_rows], ref_logp, cfg.kl_estimator),
+                                         batch.mask[:kl_rows]))
         train_s = time.perf_counter() - train_started
         sync_started = time.perf_counter()
         synced = self.rollouts.weights_changed()
@@ -182,10 +202,10 @@ class GRPO:
         tokens = float(lengths.sum())
         metrics = {"reward": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
                    "loss": float(loss.detach()), "kl": stats.kl, "clip_ratio": stats.clip_ratio,
-                   "entropy": float(masked_mean(old.entropy, batch.mask)),
+                   "entropy": float(masked_mean(entropy, batch.mask)),
                    "completions/mean_length": float(lengths.mean()),
                    "completions/clipped_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
-                   "sampling/sampling_logp_difference/mean": gap_mean,
+                   "sampling/sampling_logp_difference/mean": float(gap.sum() / batch.mask.sum().clamp(min=1)),
                    "sampling/sampling_logp_difference/max": float(gap.max()),
                    "sampling/importance_sampling_ratio/mean": stats.importance_ratio,
                    "timing/rollout_s": rollout_s, "timing/train_s": train_s, "timing/sync_s": sync_s,
@@ -204,8 +224,9 @@ class PPO(GRPO):
         """GAE over token rewards: the score on each completion's last token, minus kl_coef x the KL
         estimate on every token; advantages whitened over the batch's tokens."""
         cfg, mask = self.cfg, batch.mask
-        token_rewards = last_token_rewards(rewards, mask) - cfg.kl_coef * kl_estimate(old.logp, ref_logp,
-                                                                                      cfg.kl_estimator) * mask
+        token_rewards = last_token_rewards(rewards, mask)
+        if cfg.kl_coef:
+            token_rewards = token_rewards - cfg.kl_coef * kl_estimate(old.logp, ref_logp, cfg.kl_estimator) * mask
         advantages, returns = gae(token_rewards, old.values, mask, cfg.gamma, cfg.lam)
         if cfg.whiten_advantages:
             mean = masked_mean(advantages, mask)

@@ -79,6 +79,11 @@ class TokenBatch:
         starts = torch.tensor([len(r.prompt_ids) for r in rollouts])
         return cls(ids.to(device), starts.to(device), mask.to(device), sampled.to(device))
 
+    def rows(self, count: int) -> "TokenBatch":
+        """The first `count` rows."""
+        return TokenBatch(self.input_ids[:count], self.completion_start[:count], self.mask[:count],
+                          self.sampling_logprobs[:count])
+
     def to(self, device: torch.device | str) -> "TokenBatch":
         return TokenBatch(self.input_ids.to(device), self.completion_start.to(device), self.mask.to(device),
                           self.sampling_logprobs.to(device))
@@ -112,7 +117,10 @@ def completion_forward(model, batch: TokenBatch, value_head: nn.Module | None = 
     log_probs = logits.log_softmax(-1)
     targets = batch.input_ids[rows, columns + 1]  # [B, T]
     logp = log_probs.gather(-1, targets[..., None]).squeeze(-1) * batch.mask
-    token_entropy = -(log_probs.exp() * log_probs).sum(-1) * batch.mask if entropy else None
+    token_entropy = None
+    if entropy:  # reported, never trained on
+        detached = log_probs.detach()
+        token_entropy = -(detached.exp() * detached).sum(-1) * batch.mask
     values = value_head(states).squeeze(-1).float() * batch.mask if value_head is not None else None
     return CompletionForward(logp, token_entropy, values)
 
