@@ -30,16 +30,6 @@ def test_grpo_on_the_shipped_task_writes_metrics_and_a_servable_model(tiny_chat_
     assert "serve it with: unified recipe=serve model=" in result.stdout
 
 
-def test_grpo_takes_prompts_and_a_reward_of_the_users(tiny_chat_checkpoint, tmp_path):
-    data = tmp_path / "prompts.jsonl"
-    data.write_text("\n".join(json.dumps({"prompt": f"Say {word}.", "word": word}) for word in ("yes", "no", "maybe")))
-    output = tmp_path / "out"
-    result = run_cli("recipe=grpo", f"model={tiny_chat_checkpoint}", f"data={data}", f"output={output}",
-                     "rlhf.reward=tests.rlhf.rewards_for_tests:says_the_word", *SHORT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert len((output / "metrics.jsonl").read_text().splitlines()) == 2  # no held-out set without a task
-
-
 @pytest.mark.parametrize("options,words", [
     (("rlhf.reward=nowhere.at_all:f",), "cannot import 'nowhere.at_all'"),
     (("rlhf.num_generations=1",), "needs at least 2"),
@@ -90,6 +80,8 @@ def test_ppo_saves_its_value_head_beside_a_servable_model(tiny_chat_checkpoint, 
 
 
 def test_a_run_started_again_continues_from_its_checkpoint(tiny_chat_checkpoint, tmp_path):
+    """Prompts and a reward of the user's; stopped after 2 steps and started again for 4, the run takes
+    the steps an uninterrupted run takes."""
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"Say {word}.", "word": word}) for word in ("yes", "no", "maybe")))
     common = (f"model={tiny_chat_checkpoint}", f"data={data}", "rlhf.reward=tests.rlhf.rewards_for_tests:says_the_word",
@@ -102,7 +94,7 @@ def test_a_run_started_again_continues_from_its_checkpoint(tiny_chat_checkpoint,
     assert "continuing from the checkpoint of step 2" in again.stdout + again.stderr
     want, got = ([json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
                  for folder in (whole, halves))
-    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    assert [m["step"] for m in got] == [m["step"] for m in want] == [1, 2, 3, 4]  # no held-out set without a task
     for a, b in zip(want, got):
         for key in ("reward", "loss", "kl", "entropy"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)

@@ -2,8 +2,11 @@
 advantages, the consistency gate, then `updates_per_batch` optimizer updates through DeepSpeed.
 
 The old log-probabilities are the trainer's forward before the first update (the policy that sampled,
-as the trainer computes it); the gate compares them with what the engine reported for the same tokens
-and stops the run past `rlhf.max_logprob_diff`. Under LoRA the reference is the base model with the
+as the trainer computes it): for GRPO the first update's own forward, detached, so no pass is spent on
+them; PPO needs its values before the advantages, so it runs a forward first. The gate compares them
+with what the engine reported for the same tokens and stops the run past `rlhf.max_logprob_diff`, before
+the first optimizer step. At `kl_coef` 0 the KL is only reported, from the reference on a share of the
+completions (`rlhf.kl_report_fraction`). Under LoRA the reference is the base model with the
 adapters switched off, so no second copy of the weights exists; when all weights train it is a second,
 frozen instance of the starting weights. During the updates the engine's KV cache is released (training
 takes the memory); after them the engine's derived weight copies (packed CPU weights) are refreshed and
