@@ -15,9 +15,9 @@ of the checkpoint (weights linked) whose EOS is a special token the model does n
 Each run is its own process; runs alternate (ours, TRL, ours, TRL, ...) because the host is shared, a matmul is
 measured before and after, and the first step of every run is warm-up. A step lasts from one metrics.jsonl
 line to the next (both sides log every step there under our names), so every cost of the loop counts.
-Medians over the timed steps of all rounds. TRL does less per step than we do: with one update per batch
-and no KL term it computes neither the old nor the reference log-probabilities (we compute both: the
-consistency gate and the reported KL need them).
+Medians over the timed steps of all rounds. With one update per batch and no KL term TRL computes neither
+the old nor the reference log-probabilities; ours takes the old ones from the update's own forward (the
+consistency gate reads them) and runs the reference on a share of the completions, for the reported KL.
 """
 from __future__ import annotations
 
