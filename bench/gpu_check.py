@@ -42,6 +42,10 @@ class Check:
         self.out = Path(args.out)
         self.work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
         self.tokenizer = Path(args.tokenizer)
+        if self.dry and not self.tokenizer.is_dir():  # here the built-in model's folder has the same files
+            from unified.checkpoint.builtin import resolve_model
+
+            self.tokenizer = resolve_model("smollm2")
         self.results: dict[str, dict] = {}
 
     def save(self, partial: dict | None = None) -> None:
