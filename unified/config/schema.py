@@ -152,7 +152,7 @@ class RLHFConfig:
     clip_high: float = 0.2
     kl_coef: float = 0.0  # KL penalty to the reference policy (0: none; the KL is still reported)
     kl_estimator: str = "k3"  # k1 | k3
-    # At kl_coef 0 the KL is only reported: estimated on this share of each step's completions (0: not estimated, kl reads 0)
+    # At kl_coef 0 the KL is only reported, estimated on this share of a step's completions (0: none; kl reads 0)
     kl_report_fraction: float = 0.25
     loss_level: str = "token"  # token | sequence: how the policy loss averages
     scale_rewards: bool = True  # divide group advantages by the group's std (false: Dr. GRPO)
