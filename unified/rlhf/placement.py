@@ -66,6 +66,12 @@ class Roles:
         return rank in self.trainers
 
 
+def refresh_engine_copies(engine, model: nn.Module, lora: bool) -> None:
+    """The engine's packed copies of weights that just changed (none change under LoRA: the base is frozen)."""
+    if not lora and engine.cfg.packed_weights:
+        model.pack_weights()
+
+
 class Colocated:
     def __init__(self, engine, model: nn.Module, lora: bool):
         self.engine, self.model, self.lora = engine, model, lora
@@ -78,9 +84,7 @@ class Colocated:
         return self.engine.release_kv_cache()
 
     def weights_changed(self) -> dict[str, float]:
-        """The engine's packed copies of weights that just changed (none change under LoRA: the base is frozen)."""
-        if not self.lora and self.engine.cfg.packed_weights:
-            self.model.pack_weights()
+        refresh_engine_copies(self.engine, self.model, self.lora)
         return {}
 
 
@@ -91,10 +95,11 @@ def synced_parameters(model: nn.Module, lora: bool) -> list[tuple[str, nn.Parame
 
 
 class Separate:
-    """Every rank of a separate-mode launch holds one; `engine` only on rollout ranks."""
+    """Every rank of a separate-mode launch holds one; rollout ranks then set `engine`, built on `engine_group`."""
 
-    def __init__(self, roles: Roles, model: nn.Module, lora: bool, engine=None, bucket_bytes: int = 256 << 20):
-        self.roles, self.model, self.lora, self.engine = roles, model, lora, engine
+    def __init__(self, roles: Roles, model: nn.Module, lora: bool, bucket_bytes: int = 256 << 20):
+        self.roles, self.model, self.lora = roles, model, lora
+        self.engine = None
         self.rank = torch.distributed.get_rank()
         self.bucket_bytes = bucket_bytes
         # Every rank creates every group, in the same order (torch.distributed requires it).
@@ -141,8 +146,7 @@ class Separate:
                         p.copy_(flat[offset:offset + p.numel()].view_as(p))
                         offset += p.numel()
         if self.engine is not None:
-            if not self.lora and self.engine.cfg.packed_weights:
-                self.model.pack_weights()
+            refresh_engine_copies(self.engine, self.model, self.lora)
             self.engine.blocks.reset_prefix_cache()  # its K/V came from the weights before this update
         return {"sync/bytes": float(sent), "sync/seconds": time.perf_counter() - started}
 

@@ -187,7 +187,8 @@ def run_rlhf(cfg) -> list[dict]:
         box = [start]
         torch.distributed.broadcast_object_list(box, src=roles.trainers[0])
         start = box[0]
-    rollouts.weights_changed()  # the rollout side starts from the trainer's weights (initial or resumed)
+    if roles.separate or start:  # the rollout side starts from the trainer's weights (initial or resumed)
+        rollouts.weights_changed()
     if start:
         log.info("continuing from the checkpoint of step %d in %s", start, checkpoints)
     order = list(range(len(train_prompts)))
