@@ -4,7 +4,7 @@ import torch
 
 from tests.conftest import TINY_FAMILIES
 from unified.checkpoint import load_model
-from unified.model.attention import causal_attention
+from unified.model.attention import SegmentAttention, causal_attention
 from unified.model.config import MoEConfig, ModelConfig
 from unified.model.forward_context import forward_context, get_forward_context
 from unified.model.moe import Router
@@ -34,6 +34,24 @@ def test_attention_reads_the_forward_context(runtime, tiny_checkpoint):
     assert get_forward_context() is None
     assert ctx.layers == [0, 1, 2]
     torch.testing.assert_close(via_context, plain)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "deepseek_v3"])
+def test_segments_sharing_a_prefix_compute_what_each_sequence_alone_does(family, runtime, tiny_checkpoint):
+    """One row: a prefix, then two continuations that each see the prefix and themselves (past a sliding
+    window for mistral and qwen2), then padding; MLA (deepseek_v3) attends through the same context."""
+    model = load_model(tiny_checkpoint(family)).model
+    prefix, first, second = (torch.randint(0, 160, (n,)).tolist() for n in (5, 9, 7))
+    ids = torch.tensor([prefix + first + second + [0, 0]])
+    positions = torch.tensor([list(range(14)) + list(range(5, 12)) + [0, 0]])
+    segments = torch.tensor([[0] * 5 + [1] * 9 + [2] * 7 + [-1] * 2])
+    with torch.no_grad(), forward_context(SegmentAttention(segments, positions)):
+        packed = model(ids, positions)[0]
+    with torch.no_grad():
+        alone = [model(torch.tensor([prefix + rest]), torch.arange(5 + len(rest)))[0] for rest in (first, second)]
+    torch.testing.assert_close(packed[:14], alone[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[14:21], alone[1][5:], atol=1e-5, rtol=1e-5)
+    assert packed[21:].isfinite().all()
 
 
 def test_group_limited_routing_only_picks_from_best_groups():

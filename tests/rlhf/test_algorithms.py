@@ -96,16 +96,32 @@ def test_the_kv_cache_is_released_while_training_and_taken_back_for_rollouts(run
     assert grpo.step(_prompts(random.Random(1), 2))["sampling/sampling_logp_difference/mean"] <= 1e-5
 
 
-def test_entropy_is_that_of_the_whole_distribution(runtime, tiny_checkpoint):
-    grpo = _grpo(tiny_checkpoint)
-    batch = TokenBatch.of(generate(grpo.rollouts.engine, [p.ids for p in _prompts(random.Random(0), 2)], 2, 6, seed=3))
+@pytest.mark.parametrize("pack_tokens", [0, 16, 4096], ids=["a-row-each", "some-packed", "all-packed"])
+def test_packed_rows_compute_what_each_completion_alone_does(runtime, tiny_checkpoint, pack_tokens):
+    """A prompt packed once with its completions gives each completion the log-probabilities, entropies
+    and values of a plain causal forward of that prompt and completion alone."""
+    grpo = _grpo(tiny_checkpoint, algorithm="ppo", num_generations=3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14]]
+    rollouts = generate(grpo.rollouts.engine, prompts, 3, 6, seed=3)
+    batch = TokenBatch.of(rollouts, pack_tokens=pack_tokens)
+    assert [len(r.completion_ids) for r in rollouts] == [6] * 6
+    assert batch.input_ids.shape[0] == {0: 6, 16: 5, 4096: 2}[pack_tokens]  # 16: two of the first prompt's share a row
+    head = torch.nn.Linear(grpo.model.config.hidden_size, 1)
     with torch.no_grad():
-        out = completion_forward(grpo.model, batch, entropy=True)
-        hidden = grpo.model(batch.input_ids, torch.arange(batch.input_ids.shape[1]))
-        probs = grpo.model.logits(hidden).float().softmax(-1)
-    rows, columns = batch.completion_positions()
-    want = -(probs * probs.log()).sum(-1)[rows, columns] * batch.mask
-    torch.testing.assert_close(out.entropy, want, atol=1e-4, rtol=1e-4)
+        out = completion_forward(grpo.model, batch, head, entropy=True)
+        for b, r in enumerate(rollouts):
+            ids = torch.tensor([r.prompt_ids + r.completion_ids])
+            states = grpo.model(ids, torch.arange(ids.shape[1]))[0, len(r.prompt_ids) - 1:-1]
+            log_probs = grpo.model.logits(states).float().log_softmax(-1)
+            n = len(r.completion_ids)
+            want = log_probs.gather(-1, torch.tensor(r.completion_ids)[:, None]).squeeze(-1)
+            torch.testing.assert_close(out.logp[b, :n], want, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out.entropy[b, :n], -(log_probs.exp() * log_probs).sum(-1), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(out.values[b, :n], head(states).squeeze(-1), atol=1e-5, rtol=1e-5)
+            assert not out.logp[b, n:].any() and batch.mask[b].sum() == n
+    first = batch.first(4)  # whole rows: all of the first prompt's completions when packed
+    assert first.size == {0: 4, 16: 4, 4096: 6}[pack_tokens]
+    torch.testing.assert_close(completion_logprobs(grpo.model, first), out.logp[:first.size])
 
 
 def test_ppo_values_start_at_zero_and_learn(runtime, tiny_checkpoint):

@@ -159,6 +159,9 @@ class RLHFConfig:
     tis_cap: Optional[float] = None  # truncated importance sampling of the policy loss (e.g. 2.0); None: off
     reference_on_host: bool = False  # all weights training: keep the frozen reference copy in host memory
     max_logprob_diff: float = 1e-3  # the engine's and the trainer's log-probabilities may differ this much (mean)
+    # The trainer's forward packs a prompt once with as many of its completions as fit in this many tokens
+    # (each attends to the prompt and itself); 0: one row per completion, the prompt repeated in each
+    pack_tokens: int = 4096
     # PPO: GAE's discount and lambda, the value loss's weight and clip (None: unclipped), whitened advantages
     gamma: float = 1.0
     lam: float = 0.95

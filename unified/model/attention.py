@@ -33,6 +33,33 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.transpose(1, 2)
 
 
+class SegmentAttention:
+    """A forward context for rows that pack several sequences sharing a prefix (segment 0): a token
+    attends, causally, to the prefix and to its own segment. RLHF packs a prompt once with all its
+    completions this way, so the prompt's tokens are computed once per group instead of once per
+    completion. Positions restart after the prefix for each segment (RoPE and sliding windows read
+    them); segment -1 marks padding, which only sees the prefix and other padding."""
+
+    def __init__(self, segments: torch.Tensor, positions: torch.Tensor):
+        """segments, positions: [B, S]."""
+        order = torch.arange(segments.shape[1], device=segments.device)
+        causal = order[None, :] <= order[:, None]
+        keys, queries = segments[:, None, :], segments[:, :, None]
+        self.allowed = causal & ((keys == 0) | (keys == queries))  # [B, S(query), S(key)]
+        self.positions = positions
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        allowed = self.allowed
+        if sliding_window is not None:
+            distance = self.positions[:, :, None] - self.positions[:, None, :]
+            allowed = allowed & (distance < sliding_window)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None], scale=scale,
+                                             enable_gqa=k.shape[1] != q.shape[1])
+        return out.transpose(1, 2)
+
+
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
            sliding_window: int | None) -> torch.Tensor:
     ctx = get_forward_context()

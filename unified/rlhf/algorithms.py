@@ -49,6 +49,8 @@ def check_rlhf_config(cfg) -> None:
     for name in ("num_generations", "prompts_per_step", "max_tokens", "updates_per_batch"):
         if getattr(cfg, name) < 1:
             raise UserError(f"rlhf.{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.pack_tokens < 0:
+        raise UserError(f"rlhf.pack_tokens={cfg.pack_tokens} must be 0 (no packing) or a number of tokens")
     if cfg.tis_cap is not None and cfg.tis_cap <= 0:
         raise UserError(f"rlhf.tis_cap={cfg.tis_cap} must be positive (or null: off)")
     for name in ("gamma", "lam", "kl_report_fraction"):
@@ -79,20 +81,19 @@ class PolicyObjective(nn.Module):
         super().__init__()
         self.model, self.cfg, self.value_head = model, cfg, value_head
 
-    def forward(self, input_ids, completion_start, mask, old_logp, advantages, ref_logp, sampling_logp,
-                old_values=None, returns=None) -> tuple[torch.Tensor, PolicyLossStats, CompletionForward]:
+    def forward(self, batch: TokenBatch, old_logp, advantages, ref_logp, old_values=None,
+                returns=None) -> tuple[torch.Tensor, PolicyLossStats, CompletionForward]:
         """`old_logp` None: this forward is the policy that sampled (a batch's first update), so its own
         log-probabilities, detached, are the old ones. Returns the loss, its statistics, and this forward's
         log-probabilities and entropies (detached)."""
-        cfg = self.cfg
-        batch = TokenBatch(input_ids, completion_start, mask, sampling_logp)
+        cfg, mask = self.cfg, batch.mask
         out = completion_forward(self.model, batch, self.value_head, entropy=old_logp is None)
         if old_logp is None:
             old_logp = out.logp.detach()
         kl_in_loss = cfg.kl_coef if self.value_head is None else 0.0  # PPO puts it in the reward
         loss, stats = policy_loss(out.logp, old_logp, advantages, mask, clip_low=cfg.clip_low,
                                   clip_high=cfg.clip_high, ref_logp=ref_logp, kl_coef=kl_in_loss,
-                                  kl_estimator=cfg.kl_estimator, level=cfg.loss_level, sampling_logp=sampling_logp,
+                                  kl_estimator=cfg.kl_estimator, level=cfg.loss_level, sampling_logp=batch.sampling_logprobs,
                                   tis_cap=cfg.tis_cap)
         if self.value_head is not None:
             critic = value_loss(out.values, old_values, returns, mask, cfg.value_clip)
@@ -173,27 +174,26 @@ class GRPO:
         released = self.rollouts.release()
         rollout_s = time.perf_counter() - started
         rewards = torch.tensor(score_rollouts(self.reward, prompts, rollouts), device=device)
-        batch = TokenBatch.of(rollouts, device)
+        batch = TokenBatch.of(rollouts, device, cfg.pack_tokens)
         train_started = time.perf_counter()
         kl_trains = cfg.kl_coef > 0  # else the reference only serves the reported KL: a share of the rows will do
         kl_rows = len(rollouts) if kl_trains else max(1, round(len(rollouts) * cfg.kl_report_fraction))
         with torch.no_grad():
             # GRPO's advantages need no forward: the first update's own forward is the policy that sampled
             old = completion_forward(model, batch, self.value_head, entropy=True) if self.value_head is not None else None
-            ref_logp = self.reference_logprobs(batch.rows(kl_rows)) if kl_trains or cfg.kl_report_fraction > 0 else None
+            ref_logp = self.reference_logprobs(batch.first(kl_rows)) if kl_trains or cfg.kl_report_fraction > 0 else None
         estimate = self.advantages(rewards, batch, old, ref_logp)
         old_logp = None if old is None else old.logp
         for update in range(cfg.updates_per_batch):
-            loss, stats, now = self.trainer(batch.input_ids, batch.completion_start, batch.mask, old_logp,
-                                            estimate.advantages, ref_logp if kl_trains else None,
-                                            batch.sampling_logprobs, None if old is None else old.values,
-                                            estimate.returns)
+            loss, stats, now = self.trainer(batch, old_logp, estimate.advantages, ref_logp if kl_trains else None,
+                                            None if old is None else old.values, estimate.returns)
             if update == 0:
                 old_logp, entropy = (now.logp, now.entropy) if old is None else (old.logp, old.entropy)
                 gap = self._gate(old_logp, batch)  # before the first optimizer step
             self.trainer.backward(loss)
             self.trainer.step()
         if ref_logp is not None and not kl_trains:
+            kl_rows = ref_logp.shape[0]
             stats.kl = float(masked_mean(kl_estimate(old_logp[:kl_rows], ref_logp, cfg.kl_estimator),
                                          batch.mask[:kl_rows]))
         train_s = time.perf_counter() - train_started

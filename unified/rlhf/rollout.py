@@ -8,6 +8,7 @@ reproduce: their difference is the train/inference consistency gate.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,8 @@ from torch import nn
 
 from unified import kernels
 from unified.engine.sampling_params import SamplingParams
+from unified.model.attention import SegmentAttention
+from unified.model.forward_context import forward_context
 
 
 @dataclass
@@ -58,43 +61,79 @@ def generate(engine, prompts: list[list[int]], num_generations: int, max_tokens:
 
 @dataclass
 class TokenBatch:
-    """Rollouts as padded rows: prompt then completion, right-padded with 0."""
-    input_ids: torch.Tensor  # [B, L]
-    completion_start: torch.Tensor  # [B] index of each row's first completion token
-    mask: torch.Tensor  # [B, T] 1 on completion tokens, T the longest completion
-    sampling_logprobs: torch.Tensor  # [B, T]
+    """Rollouts laid out for the trainer's forward. Each row holds a prompt once, then as many of its
+    completions as fit in `pack_tokens` tokens (at least one), each attending to the prompt and to itself
+    (unified.model.attention.SegmentAttention): the prompt's tokens are computed once per row instead of
+    once per completion. Per-completion tensors [B, T] follow the rollouts' order; T is the longest
+    completion, and `mask` is 1 on completion tokens."""
+    input_ids: torch.Tensor  # [R, L] packed rows, right-padded with 0
+    positions: torch.Tensor  # [R, L] each completion's positions continue from its prompt's
+    segments: torch.Tensor  # [R, L] 0 on the prompt, k on the row's k-th completion, -1 on padding
+    row: torch.Tensor  # [B] the row that holds each completion
+    predictors: torch.Tensor  # [B, T] the column whose hidden state predicts each completion token
+    targets: torch.Tensor  # [B, T] the completion tokens (0 on padding)
+    mask: torch.Tensor  # [B, T]
+    sampling_logprobs: torch.Tensor  # [B, T] the engine's log-probabilities of the same tokens
 
     @classmethod
-    def of(cls, rollouts: list[Rollout], device: torch.device | str = "cpu") -> "TokenBatch":
-        width = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
-        longest = max(len(r.completion_ids) for r in rollouts)
-        ids = torch.zeros(len(rollouts), width, dtype=torch.long)
+    def of(cls, rollouts: list[Rollout], device: torch.device | str = "cpu", pack_tokens: int = 0) -> "TokenBatch":
+        """`pack_tokens` 0: one completion per row."""
+        rows: list[list[int]] = []  # the rollouts of each row; consecutive rollouts of one prompt share rows
+        for b, r in enumerate(rollouts):
+            if rows:
+                first = rollouts[rows[-1][0]]
+                used = len(first.prompt_ids) + sum(len(rollouts[i].completion_ids) for i in rows[-1])
+                if r.prompt_ids == first.prompt_ids and used + len(r.completion_ids) <= pack_tokens:
+                    rows[-1].append(b)
+                    continue
+            rows.append([b])
+        width = max(len(rollouts[members[0]].prompt_ids) + sum(len(rollouts[i].completion_ids) for i in members)
+                    for members in rows)
+        longest = max(1, max(len(r.completion_ids) for r in rollouts))
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        segments = torch.full((len(rows), width), -1, dtype=torch.long)
+        row_of = torch.zeros(len(rollouts), dtype=torch.long)
+        predictors = torch.zeros(len(rollouts), longest, dtype=torch.long)
+        targets = torch.zeros(len(rollouts), longest, dtype=torch.long)
         mask = torch.zeros(len(rollouts), longest)
         sampled = torch.zeros(len(rollouts), longest)
-        for row, r in enumerate(rollouts):
-            tokens = r.prompt_ids + r.completion_ids
-            ids[row, :len(tokens)] = torch.tensor(tokens)
-            mask[row, :len(r.completion_ids)] = 1
-            sampled[row, :len(r.completion_ids)] = torch.tensor(r.sampling_logprobs)
-        starts = torch.tensor([len(r.prompt_ids) for r in rollouts])
-        return cls(ids.to(device), starts.to(device), mask.to(device), sampled.to(device))
+        for index, members in enumerate(rows):
+            prompt = rollouts[members[0]].prompt_ids
+            ids[index, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+            positions[index, :len(prompt)] = torch.arange(len(prompt))
+            segments[index, :len(prompt)] = 0
+            column = len(prompt)
+            for segment, b in enumerate(members, start=1):
+                completion, n = rollouts[b].completion_ids, len(rollouts[b].completion_ids)
+                ids[index, column:column + n] = torch.tensor(completion, dtype=torch.long)
+                positions[index, column:column + n] = torch.arange(len(prompt), len(prompt) + n)
+                segments[index, column:column + n] = segment
+                row_of[b] = index
+                # the prompt's last state predicts the first token; each token's own state the next one
+                predictors[b] = len(prompt) - 1
+                predictors[b, 1:n] = torch.arange(column, column + n - 1)
+                targets[b, :n] = torch.tensor(completion, dtype=torch.long)
+                mask[b, :n] = 1
+                sampled[b, :n] = torch.tensor(rollouts[b].sampling_logprobs)
+                column += n
+        return cls(ids, positions, segments, row_of, predictors, targets, mask, sampled).to(device)
 
-    def rows(self, count: int) -> "TokenBatch":
-        """The first `count` rows."""
-        return TokenBatch(self.input_ids[:count], self.completion_start[:count], self.mask[:count],
-                          self.sampling_logprobs[:count])
+    @property
+    def size(self) -> int:
+        """How many completions."""
+        return self.row.shape[0]
+
+    def first(self, count: int) -> "TokenBatch":
+        """The first rows, as many as hold the first `count` completions (and the rest of those rows')."""
+        rows = int(self.row[min(count, self.size) - 1]) + 1
+        kept = int((self.row < rows).sum())
+        return TokenBatch(self.input_ids[:rows], self.positions[:rows], self.segments[:rows], self.row[:kept],
+                          self.predictors[:kept], self.targets[:kept], self.mask[:kept],
+                          self.sampling_logprobs[:kept])
 
     def to(self, device: torch.device | str) -> "TokenBatch":
-        return TokenBatch(self.input_ids.to(device), self.completion_start.to(device), self.mask.to(device),
-                          self.sampling_logprobs.to(device))
-
-    def completion_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, column) indexes [B, T] of the hidden states that predict each completion token (clamped
-        inside the row for padding, which the mask drops)."""
-        rows, longest = self.mask.shape
-        offsets = torch.arange(longest, device=self.mask.device)
-        columns = (self.completion_start[:, None] - 1 + offsets).clamp(max=self.input_ids.shape[1] - 2)
-        return torch.arange(rows, device=self.mask.device)[:, None].expand(-1, longest), columns
+        return TokenBatch(*(getattr(self, f.name).to(device) for f in dataclasses.fields(self)))
 
 
 @dataclass
@@ -106,17 +145,14 @@ class CompletionForward:
 
 def completion_forward(model, batch: TokenBatch, value_head: nn.Module | None = None,
                        entropy: bool = False) -> CompletionForward:
-    """The trainer's view of the completions from one causal forward of the padded rows on the training
-    path (with autograd or not, the same arithmetic): the hidden state before each completion token gives
-    its log-probability, the distribution's entropy and, with a value head, the state's value."""
-    positions = torch.arange(batch.input_ids.shape[1], device=batch.input_ids.device)
-    rows, columns = batch.completion_positions()
-    with kernels.training_path():
-        states = model(batch.input_ids, positions)[rows, columns]  # [B, T, H]
+    """The trainer's view of the completions from one forward of the packed rows on the training path
+    (with autograd or not, the same arithmetic): the hidden state before each completion token gives its
+    log-probability, the distribution's entropy and, with a value head, the state's value."""
+    with kernels.training_path(), forward_context(SegmentAttention(batch.segments, batch.positions)):
+        states = model(batch.input_ids, batch.positions)[batch.row[:, None], batch.predictors]  # [B, T, H]
         logits = model.logits(states).float()  # [B, T, V]
     log_probs = logits.log_softmax(-1)
-    targets = batch.input_ids[rows, columns + 1]  # [B, T]
-    logp = log_probs.gather(-1, targets[..., None]).squeeze(-1) * batch.mask
+    logp = log_probs.gather(-1, batch.targets[..., None]).squeeze(-1) * batch.mask
     token_entropy = None
     if entropy:  # reported, never trained on
         detached = log_probs.detach()
