@@ -184,7 +184,7 @@ def test_engine_serves_unmerged_adapters_like_merged_weights(family, targets, ru
     continuations = [torch.randint(0, 160, (6,), generator=g).tolist() for _ in prompts]
     greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
-    unmerged = make_engine(loaded, prefix_caching=False)  # packs the base weights; adapters run beside them
+    unmerged = make_engine(loaded, prefix_caching=False)  # its packed copies fold the adapters in
     unmerged_logits = run_teacher_forced(unmerged, prompts, continuations)
     unmerged_tokens = [o.outputs[0].token_ids for o in generate_all(unmerged, prompts, greedy)]
     for got, prompt, cont in zip(unmerged_logits, prompts, continuations):
@@ -195,6 +195,37 @@ def test_engine_serves_unmerged_adapters_like_merged_weights(family, targets, ru
     for got, want in zip(run_teacher_forced(merged, prompts, continuations), unmerged_logits):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     assert [o.outputs[0].token_ids for o in generate_all(merged, prompts, greedy)] == unmerged_tokens
+
+
+def test_packed_copies_fold_the_adapter_in_only_while_it_is_current(runtime, tiny_checkpoint):
+    from unified.checkpoint.lora import adapters_disabled
+
+    loaded, params = _adapted("llama", tiny_checkpoint)
+    model = loaded.model
+    with torch.no_grad():
+        adapted = _logits(model)  # no packed copies yet: base and adapter computed apart
+        with adapters_disabled(model):
+            base = _logits(model)
+    model.pack_weights()
+    layer = model.layers["0"].mlp.down_proj
+    assert layer.packed.adapter is not None
+    calls = []
+    layer.lora.register_forward_hook(lambda *_: calls.append(1))
+    x = torch.randn(3, layer.weight.shape[1])
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight + layer.lora.delta_weight())
+                                   , atol=1e-5, rtol=1e-5)
+        assert not calls, "the folded copy ran the adapter a second time"
+        torch.testing.assert_close(_logits(model), adapted, atol=1e-5, rtol=1e-5)
+        with adapters_disabled(model):  # the copy holds the adapter: the base alone must not read it
+            torch.testing.assert_close(_logits(model), base, atol=1e-5, rtol=1e-5)
+        for p in params:
+            p.mul_(2)  # an in-place update, as an optimizer makes: every folded copy is stale now
+        changed = _logits(model)
+    model.pack_weights()
+    with torch.no_grad():
+        torch.testing.assert_close(_logits(model), changed, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(changed, adapted, atol=1e-3)
 
 
 def test_resumed_adapter_trains_only_itself(runtime, tiny_checkpoint, tmp_path):

@@ -44,7 +44,7 @@ def _grpo(tiny_checkpoint, lora: bool = False, lr: float = 3e-3, **options) -> G
     trainer = initialize(loaded.model, train_cfg, torch.float32, 1, 1000, PolicyObjective(loaded.model, cfg, critic))
     reference = None if lora else load_model(tiny_checkpoint("llama")).model
     engine = make_engine(loaded, num_blocks=128, packed_weights=True)
-    return algorithm(cfg.algorithm)(Colocated(engine, loaded.model, lora), trainer, low_tokens, cfg, reference, seed=1)
+    return algorithm(cfg.algorithm)(Colocated(engine, loaded.model), trainer, low_tokens, cfg, reference, seed=1)
 
 
 @pytest.mark.parametrize("options", [{}, {"algorithm": "ppo", "kl_coef": 0.0, "kl_estimator": "k1"}], ids=["grpo", "ppo"])

@@ -37,22 +37,27 @@ class PackedWeight:
     tensor: torch.Tensor  # the packed copy, in `layout`
     version: int  # the weight's `_version` when packed
     layout: str  # "panels" (unified_cpu::pack_panels) or "onednn" (oneDNN's blocked layout)
+    # The version counters of the adapter folded into the copy (weight + its LoRA delta), None: the weight alone
+    adapter: tuple[int, ...] | None = None
 
 
 def _panels_available() -> bool:
     return cpu_ops.available() and hasattr(torch.ops.unified_cpu, "panel_linear")  # AVX2 builds only
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """A packed copy of a CPU float32 weight [out, in]; None where `linear` would not use one."""
+def pack_weight(weight: torch.Tensor, delta: torch.Tensor | None = None,
+                adapter: tuple[int, ...] | None = None) -> PackedWeight | None:
+    """A packed copy of a CPU float32 weight [out, in] (plus `delta`, an adapter's update of it, whose
+    parameters' version counters are `adapter`); None where `linear` would not use one."""
     if not (weight.device.type == "cpu" and weight.dtype == torch.float32) or weight.is_inference():
         return None  # inference-mode tensors keep no version counter to tell a stale copy by
     with torch.no_grad():
+        source = weight if delta is None else weight + delta.to(weight.dtype)
         if _panels_available():
-            return PackedWeight(torch.ops.unified_cpu.pack_panels(weight), weight._version, "panels")
+            return PackedWeight(torch.ops.unified_cpu.pack_panels(source), weight._version, "panels", adapter)
         if _ONEDNN:
-            return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(weight, ONEDNN_PACK_ROWS), weight._version,
-                                "onednn")
+            return PackedWeight(torch.ops.mkldnn._reorder_linear_weight(source, ONEDNN_PACK_ROWS), weight._version,
+                                "onednn", adapter)
     return None
 
 

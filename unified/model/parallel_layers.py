@@ -61,12 +61,30 @@ def _mark_split(weight: torch.Tensor, dim: int) -> None:
 
 
 class PackableLinear:
-    """An inference engine may attach a packed copy of the weight (kernels.pack_weight) for its matmuls."""
+    """An inference engine may attach a packed copy of the weight (kernels.pack_weight) for its matmuls.
+    With a LoRA adapter attached (`lora`), the copy folds it in, and stands for weight and adapter both
+    while neither has changed since and the adapter is on."""
 
     packed: kernels.PackedWeight | None = None
 
     def pack(self) -> None:
-        self.packed = kernels.pack_weight(self.weight)
+        if self.lora is None or not self.lora.active:
+            self.packed = kernels.pack_weight(self.weight)
+        else:
+            with torch.no_grad():
+                self.packed = kernels.pack_weight(self.weight, self.lora.delta_weight(), self._adapter_versions())
+
+    def _adapter_versions(self) -> tuple[int, ...]:
+        return tuple(p._version for p in self.lora.parameters())
+
+    def _base_and_adapter(self, x: torch.Tensor) -> tuple[kernels.PackedWeight | None, bool]:
+        """(the packed copy for kernels.linear, whether it already holds the adapter's share of x's output)."""
+        packed = self.packed
+        if packed is None or packed.adapter is None:
+            return packed, False
+        current = (self.lora is not None and self.lora.active and packed.adapter == self._adapter_versions()
+                   and packed.version == self.weight._version and kernels.takes_inference_path(x, self.weight))
+        return (packed, True) if current else (None, False)
 
 
 class ColumnLinear(PackableLinear, ColumnParallelLinear):
@@ -85,8 +103,9 @@ class ColumnLinear(PackableLinear, ColumnParallelLinear):
             inp = copy_to_tensor_model_parallel_region(x, group=self.tp_group)
         else:
             inp = x
-        y = kernels.linear(inp, self.weight, self.bias, self.packed)  # backward: inp's grads all-reduced
-        return y if self.lora is None else y + self.lora(x)
+        packed, folded = self._base_and_adapter(inp)
+        y = kernels.linear(inp, self.weight, self.bias, packed)  # backward: inp's grads all-reduced
+        return y if self.lora is None or folded else y + self.lora(x)
 
     def effective_weight(self) -> torch.Tensor:
         """This rank's weight with the adapter folded in, for code that uses the matrix itself (MLA's
@@ -104,14 +123,15 @@ class RowLinear(PackableLinear, RowParallelLinear):
         self.lora: torch.nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.linear(x, self.weight, None, self.packed)
+        packed, folded = self._base_and_adapter(x)
+        y = kernels.linear(x, self.weight, None, packed)
         if sequence_parallel.active():
             y = sequence_parallel.reduce_scatter(y, self.tp_group)
         elif self.tp_group.size() > 1:
             with collective("tp_all_reduce", y):
                 y = reduce_from_tensor_model_parallel_region(y, group=self.tp_group)
         y = y if self.bias is None else y + self.bias
-        return y if self.lora is None else y + self.lora(x)
+        return y if self.lora is None or folded else y + self.lora(x)
 
 
 def gather_vocab(x: torch.Tensor) -> torch.Tensor:
@@ -131,6 +151,7 @@ class VocabEmbedding(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int, config: ModelParallelConfig):
         super().__init__(vocab_size, hidden_size, init_method=_normal_init, config=config, tp_group=_tp_group())
         _mark_split(self.weight, dim=0)
+        self.lora: torch.nn.Module | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """megatron's lookup (each rank embeds the ids in its vocabulary slice, zeros elsewhere, then the

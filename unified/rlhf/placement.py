@@ -4,7 +4,8 @@ Both give the learner the same three calls: `generate` the step's completions, `
 memory while training, and `weights_changed` after an update.
 
 Colocated, the engine runs the trainer's very modules: nothing moves. What the engine derives from the
-weights (packed CPU copies) is refreshed after an update, and its prefix cache starts empty.
+weights (packed CPU copies, with the LoRA adapters folded in) is refreshed after an update, and its prefix
+cache starts empty.
 
 Separate (`rlhf.mode=separate`), one launch holds trainer ranks (the first ones) and rollout ranks (the
 last `rlhf.rollout_ranks`). Every rollout rank runs its own engine on its own copy of the model and
@@ -66,15 +67,16 @@ class Roles:
         return rank in self.trainers
 
 
-def refresh_engine_copies(engine, model: nn.Module, lora: bool) -> None:
-    """The engine's packed copies of weights that just changed (none change under LoRA: the base is frozen)."""
-    if not lora and engine.cfg.packed_weights:
+def refresh_engine_copies(engine, model: nn.Module) -> None:
+    """The engine's packed copies of the weights, which fold the LoRA adapters in (the optimizer may
+    update parameters in place without a version bump that would tell the copies are stale)."""
+    if engine.cfg.packed_weights:
         model.pack_weights()
 
 
 class Colocated:
-    def __init__(self, engine, model: nn.Module, lora: bool):
-        self.engine, self.model, self.lora = engine, model, lora
+    def __init__(self, engine, model: nn.Module):
+        self.engine, self.model = engine, model
 
     def generate(self, prompts: list[list[int]], num_generations: int, max_tokens: int, temperature: float,
                  seed: int | None) -> list[Rollout]:
@@ -84,7 +86,7 @@ class Colocated:
         return self.engine.release_kv_cache()
 
     def weights_changed(self) -> dict[str, float]:
-        refresh_engine_copies(self.engine, self.model, self.lora)
+        refresh_engine_copies(self.engine, self.model)
         return {}
 
 
@@ -146,7 +148,7 @@ class Separate:
                         p.copy_(flat[offset:offset + p.numel()].view_as(p))
                         offset += p.numel()
         if self.engine is not None:
-            refresh_engine_copies(self.engine, self.model, self.lora)
+            refresh_engine_copies(self.engine, self.model)
             self.engine.blocks.reset_prefix_cache()  # its K/V came from the weights before this update
         return {"sync/bytes": float(sent), "sync/seconds": time.perf_counter() - started}
 

@@ -178,7 +178,7 @@ def run_rlhf(cfg) -> list[dict]:
         trainer = initialize(model, tc, runtime.dtype, 1, steps, PolicyObjective(model, rc, critic),
                              data_parallel_group=rollouts.trainer_group if roles.separate else None)
         if not roles.separate:
-            rollouts = Colocated(engine(), model, lora)
+            rollouts = Colocated(engine(), model)
         learner = algorithm(rc.algorithm)(rollouts, trainer, reward, rc, reference, seed=cfg.seed)
     output.mkdir(parents=True, exist_ok=True)
     checkpoints, trainer_group = output / CHECKPOINTS, rollouts.trainer_group if roles.separate else None
