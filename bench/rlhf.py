@@ -18,6 +18,8 @@ line to the next (both sides log every step there under our names), so every cos
 Medians over the timed steps of all rounds. With one update per batch and no KL term TRL computes neither
 the old nor the reference log-probabilities; ours takes the old ones from the update's own forward (the
 consistency gate reads them) and runs the reference on a share of the completions, for the reported KL.
+Ours packs each prompt once with its completions for the trainer's forward (rlhf.pack_tokens), and its
+rollouts run on packed weight copies with the adapters folded in, refreshed after each update (sync).
 """
 from __future__ import annotations
 
