@@ -137,8 +137,10 @@ class RLHFConfig:
     reward_model: Optional[str] = None
     # Without data=: a reasoning-gym task generated offline (seeded), and its options
     task: str = "basic_arithmetic"
+    # (single-digit sums and differences: the built-in SmolLM2 answers about a fifth of them before training)
     task_options: dict = field(default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1,
-                                                        "max_digits": 1, "operators": ["+", "-"]})
+                                                        "max_digits": 1, "operators": ["+", "-"],
+                                                        "allow_negation": False, "allow_parentheses": False})
     train_prompts: int = 2000  # task prompts generated for training
     eval_prompts: int = 64  # held-out task prompts, answered greedily every eval_every steps (eval/reward)
     eval_every: int = 10  # 0: never
