@@ -48,6 +48,26 @@ def _ep_rank_size() -> tuple[int, int]:
     return parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size()
 
 
+class FullTensors(dict):
+    """Whole tensors by HF name, read the way the loader reads a checkpoint (so `_read_part` slices them)."""
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self[name].shape)
+
+    def get_slice(self, name: str) -> torch.Tensor:
+        return self[name]
+
+
+def part_sizes(param: Param, local_row: int, tp: int) -> tuple[list[int], list[int], list[int | None]]:
+    """For one row of `param` holding `local_row` entries along its cat_dim on a rank of `tp`: each HF
+    part's (whole length, this rank's length, heads: None unless the part is split by heads)."""
+    names = len(param.rows[0])
+    full = list(param.sizes) if param.sizes else [local_row * tp // names] * names
+    heads = [None if not param.unit else n // param.unit for n in full]
+    local = [n // tp if h is None or h >= tp else param.unit for n, h in zip(full, heads)]
+    return full, local, heads
+
+
 def _read_part(ckpt: SafetensorsCheckpoint, name: str, split: int | None, rank: int, size: int,
                unit: int | None = None) -> torch.Tensor:
     if split is None or size == 1:
@@ -156,9 +176,7 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
         rows = tensor.unbind(0) if param.stacked else [tensor]
         tp = group.size() if param.split is not None else 1
         for names, row in zip(param.rows, rows):
-            full = param.sizes or [row.shape[param.cat_dim] * tp // len(names)] * len(names)
-            heads = [None if not param.unit else n // param.unit for n in full]
-            local = [n // tp if h is None or h >= tp else param.unit for n, h in zip(full, heads)]
+            full, local, heads = part_sizes(param, row.shape[param.cat_dim], tp)
             for name, part, h in zip(names, row.split(local, dim=param.cat_dim), heads):
                 if tp > 1:
                     part = _gather_part(part, param.split, h, group)

@@ -40,7 +40,7 @@ from megatron.core.tensor_parallel.mappings import (
 from torch import nn
 
 from unified.checkpoint.hf_names import Param, parameter_map
-from unified.checkpoint.loader import _gather_part, _read_part, _tp_rank_size
+from unified.checkpoint.loader import FullTensors, _gather_part, _read_part, _tp_rank_size
 from unified.errors import UserError
 from unified.model.parallel_layers import ColumnLinear, RowLinear, _mark_split
 from unified.runtime.comm import collective
@@ -131,16 +131,6 @@ def _full_shape(host: nn.Module, param: Param) -> tuple[list[int], int]:
     return (list(param.sizes) if param.sizes else [out // parts] * parts), inp
 
 
-class _FullTensors(dict):
-    """Full tensors by name, read the way the loader reads a checkpoint (so `_read_part` slices them)."""
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self[name].shape)
-
-    def get_slice(self, name: str) -> torch.Tensor:
-        return self[name]
-
-
 def _adapter(host: nn.Module, param: Param, full: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float,
              dropout: float) -> LoraAdapter:
     """full: HF projection -> (A [rank, in], B [rows, rank]) at tensor-parallel size 1; this rank keeps its slice."""
@@ -152,10 +142,10 @@ def _adapter(host: nn.Module, param: Param, full: dict[str, tuple[torch.Tensor, 
     segments, pairs = [], {}
     for projection, n in zip(_projections(param), rows):
         a, b = full.get(projection, (None, torch.empty(n, 0, device="meta")))
-        b = _read_part(_FullTensors(b=b), "b", b_split, tp_rank, tp_size, param.unit)
+        b = _read_part(FullTensors(b=b), "b", b_split, tp_rank, tp_size, param.unit)
         segments.append((_short(projection), b.shape[0]))
         if a is not None:
-            pairs[_short(projection)] = (_read_part(_FullTensors(a=a), "a", a_split, tp_rank, tp_size).to(**like),
+            pairs[_short(projection)] = (_read_part(FullTensors(a=a), "a", a_split, tp_rank, tp_size).to(**like),
                                          b.to(**like))
     parallel = "column" if isinstance(host, ColumnLinear) else "row" if isinstance(host, RowLinear) else None
     adapter = LoraAdapter(segments, pairs, alpha, dropout, parallel, host.tp_group if split else None)
