@@ -19,6 +19,7 @@ JOBS = {
     "check_parity": "unified.jobs.check_parity",
     "batch": "unified.jobs.batch",
     "serve": "unified.jobs.serve",
+    "rollout": "unified.jobs.serve",
     "train": "unified.jobs.train",
     "grpo": "unified.jobs.rlhf",
     "ppo": "unified.jobs.rlhf",

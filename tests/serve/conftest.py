@@ -25,14 +25,14 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: Path, *overrides: str, env: dict | None = None):
+    def __init__(self, model: Path, *overrides: str, env: dict | None = None, recipe: str = "serve"):
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.model_name = model.name
         self.log = tempfile.NamedTemporaryFile(prefix="unified-serve-", suffix=".log", delete=False)
         self.cwd = tempfile.mkdtemp(prefix="unified-serve-cwd-")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "unified", "recipe=serve", f"model={model}", f"port={self.port}", *overrides],
+            [sys.executable, "-m", "unified", f"recipe={recipe}", f"model={model}", f"port={self.port}", *overrides],
             cwd=self.cwd, stdout=self.log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 

@@ -67,6 +67,9 @@ class ServeConfig:
     shutdown_timeout_s: float = 10.0  # in-flight requests get this long after SIGTERM, then are cancelled
     conversation_log: Optional[str] = None  # JSONL file recording each chat completion and feedback on it; None: off
     allow_weight_reload: bool = False  # POST /v1/admin/reload_weights may replace the served weights
+    # recipe=rollout: the endpoints RL trainers drive (SGLang's weight sync, vLLM's sleep), off otherwise
+    rollout_endpoints: bool = False
+    weight_update_timeout_s: float = 120.0  # forming an update group, and each tensor of an update
 
 
 @dataclass

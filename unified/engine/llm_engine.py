@@ -26,6 +26,8 @@ from unified.engine.sampler import TokenLogprob, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
+from unified.engine.weight_sync import (JoinUpdateGroup, LeaveUpdateGroup, ReceiveWeights, UpdateGroups,
+                                       WeightSyncError, check_join)
 from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
 from unified.errors import UserError
 from unified.kernels import cpu_ops
@@ -112,6 +114,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.weights_version = 0  # how many times update_weights replaced the weights
+        self.update_groups = UpdateGroups(model, device)  # external trainers' weight-sync groups (weight_sync)
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d bytes/token)", num_blocks,
                  engine_cfg.block_size, num_blocks * engine_cfg.block_size, cache.total_bytes / 2 ** 20,
@@ -194,7 +197,13 @@ class LLMEngine:
                 signal.signal(sig, signal.SIG_IGN)
         self.runner.follow(self._follow_command)
 
-    def _follow_command(self, command: UpdateWeights) -> None:
+    def _follow_command(self, command) -> None:
+        if isinstance(command, (JoinUpdateGroup, ReceiveWeights, LeaveUpdateGroup)):
+            try:
+                self._weight_sync(command)
+            except WeightSyncError as err:
+                log.warning("weight sync: %s", err)
+            return
         try:
             staged, error = stage_weights(command.path, self.model, self.dtype), None
         except Exception as err:  # noqa: BLE001 - the driver reports it; this rank must stay in step
@@ -225,6 +234,63 @@ class LLMEngine:
             if failed:
                 raise WeightMismatch(f"the served weights were kept: {'; '.join(failed)}")
         copy_weights(self.model, staged)
+        self._weights_changed()
+
+    # Weights pushed by an external trainer (SGLang's protocol; see weight_sync) ---------------------------
+
+    def join_update_group(self, spec: JoinUpdateGroup) -> None:
+        """Driver, between steps: every rank joins the trainer's update group (or none does)."""
+        check_join(spec, self.runner.group_size)
+        self._drive(spec)
+
+    def receive_weights(self, spec: ReceiveWeights) -> int:
+        """Driver, between steps: every rank receives the update's tensors from the trainer and writes its
+        part; returns the bytes received. All or nothing: a bad name, dtype or shape on any rank leaves
+        every rank's weights untouched (WeightSyncError)."""
+        return self._drive(spec)
+
+    def leave_update_group(self, name: str) -> None:
+        if name not in self.update_groups.groups:
+            raise WeightSyncError(self.update_groups.not_joined(name))
+        self._drive(LeaveUpdateGroup(name))
+
+    def _drive(self, command):
+        if self.runner.distributed:
+            self.runner.command(command)
+        return self._weight_sync(command)
+
+    def _weight_sync(self, command):
+        """On every rank: one weight-sync command, with the ranks' errors pooled so that all act alike."""
+        groups = self.update_groups
+        if isinstance(command, LeaveUpdateGroup):
+            return groups.leave(command.group_name)
+        if isinstance(command, JoinUpdateGroup):
+            error = None
+            try:
+                groups.join(command, self.runner.group_rank)
+            except WeightSyncError as err:
+                error = str(err)
+            errors = self._pooled(error)
+            if errors:
+                groups.leave(command.group_name)
+                raise WeightSyncError("; ".join(errors))
+            return None
+        problems = self._pooled(*groups.stream.problems(command.names, command.dtypes, command.shapes))
+        received = groups.receive(command, sorted(set(problems)))
+        self._weights_changed()
+        return received
+
+    def _pooled(self, *errors: str | None) -> list[str]:
+        """Every rank's errors (one call on every rank of the engine)."""
+        mine = [e for e in errors if e]
+        if not self.runner.distributed:
+            return mine
+        everyone: list = [None] * self.runner.group_size
+        torch.distributed.all_gather_object(everyone, mine, group=self.runner.group)
+        return [e for rank_errors in everyone for e in rank_errors]
+
+    def _weights_changed(self) -> None:
+        """After the weights changed in place: fresh packed copies, no prefix cached with the old ones."""
         if self.cfg.packed_weights:
             self.model.pack_weights()  # the copies of the old weights are stale now (and ignored)
         self.blocks.reset_prefix_cache()

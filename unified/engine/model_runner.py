@@ -160,7 +160,16 @@ class ModelRunner:
 
     @property
     def distributed(self) -> bool:
-        return torch.distributed.get_world_size(self.group) > 1
+        return self.group_size > 1
+
+    @property
+    def group_size(self) -> int:
+        return torch.distributed.get_world_size(self.group)
+
+    @property
+    def group_rank(self) -> int:
+        """This rank's index among the engine's ranks (0 on the driver)."""
+        return torch.distributed.get_rank(self.group)
 
     def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Runs the step; returns float32 logits [num sampling sequences, V] in batch order."""

@@ -26,6 +26,7 @@ from unified.serve.errors import APIError
 from unified.serve.metrics import ServerMetrics
 from unified.serve.online_api import router as online_router
 from unified.serve.openai_api import router as openai_router
+from unified.serve import rollout_api
 from unified.serve.responses import Health, describe_limits, documented
 from unified.serve.startup import Startup
 
@@ -40,7 +41,8 @@ class ServerState:
         self.startup = Startup()
         self.api_key = os.environ.get(cfg.serve.api_key_env) or None
         self.conversations = ConversationLog(cfg.serve.conversation_log) if cfg.serve.conversation_log else None
-        self.reloading = asyncio.Lock()  # one weight reload at a time
+        self.reloading = asyncio.Lock()  # one weight change at a time (reload, or a trainer's update)
+        self.weight_version = "0"  # the served policy's name: a trainer's weight_version, or the update count
 
     def require_ready(self):
         if not self.startup.ready:
@@ -77,6 +79,7 @@ class Guards:
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
+        self._rollout_paths = rollout_api.PATHS if state.limits.rollout_endpoints else set()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -88,6 +91,9 @@ class Guards:
         async def counting_send(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                if self._rollout_paths:  # which policy answered: a trainer's weight_version, or the update count
+                    version = self.state.weight_version.encode("latin-1", "replace")
+                    message = {**message, "headers": [*message.get("headers", []), (b"x-weight-version", version)]}
             await send(message)
 
         try:
@@ -103,7 +109,7 @@ class Guards:
         length = headers.get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self._body_limit(path):
             return self._too_large(path)
-        if self.state.api_key and path.startswith("/v1/"):
+        if self.state.api_key and (path.startswith("/v1/") or path in self._rollout_paths):
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             expected = self.state.api_key.encode()
             # The scheme name is case-insensitive (RFC 9110 11.1); the token is compared in constant time.
@@ -147,7 +153,7 @@ _CHAT = "/v1/chat/completions"
 
 
 _ENDPOINTS = {"/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/feedback", "/v1/admin/reload_weights",
-              "/health", "/metrics", "/"}
+              "/health", "/metrics", "/", *rollout_api.PATHS}
 _HTTP_ERRORS = {404: ("not_found", "there is no route {method} {path}; the OpenAPI document at /openapi.json lists them"),
                 405: ("method_not_allowed", "{path} does not take {method}; the OpenAPI document at /openapi.json "
                                             "lists what it takes")}
@@ -202,6 +208,8 @@ def create_app(cfg) -> FastAPI:
     app.add_middleware(Guards, state=state)
     app.include_router(openai_router)
     app.include_router(online_router)
+    if cfg.serve.rollout_endpoints:
+        app.include_router(rollout_api.router)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):

@@ -106,6 +106,14 @@ class EngineLoop:
         self._post(("update_weights", (path, staged, loop, done)))
         return await done
 
+    async def between_steps(self, work):
+        """Runs `work()` on the engine thread at the next step boundary (requests stay in flight); returns
+        its result, or raises what it raised."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._post(("call", (work, loop, done)))
+        return await done
+
     def cancel_all(self, reason: str) -> None:
         """Ends every in-flight request with an error that says `reason` (used at the shutdown deadline)."""
         self._post(("cancel_all", reason))
@@ -150,6 +158,8 @@ class EngineLoop:
                 self._fail_all(RuntimeError(payload))
             elif kind == "update_weights":
                 self._update_weights(*payload)
+            elif kind == "call":
+                self._call(*payload)
             elif payload in self._streams:
                 del self._streams[payload]
                 self.engine.abort(payload)
@@ -176,6 +186,14 @@ class EngineLoop:
             outcome = err
         settle_from_thread(loop, done, outcome)
         self._stats_at = float("-inf")  # the prefix-cache figures changed
+
+    def _call(self, work, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
+        try:
+            outcome = work()
+        except Exception as err:  # noqa: BLE001 - the caller decides; the engine goes on serving
+            outcome = err
+        settle_from_thread(loop, done, outcome)
+        self._stats_at = float("-inf")  # the prefix-cache figures may have changed
 
     def _publish(self, finished: list[RequestOutput], seconds: float) -> None:
         done = {output.request_id: output for output in finished}

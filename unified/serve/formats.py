@@ -65,10 +65,18 @@ class ResponseFormat:
         return outputs
 
     def response(self, finals: list[RequestOutput], tokenizer) -> dict:
-        choices = [self.choice(p * self.n + i, output, tokenizer)
+        choices = [self._with_token_ids(self.choice(p * self.n + i, output, tokenizer), final, output)
                    for p, final in enumerate(finals) for i, output in enumerate(self.best(final))]
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                "choices": choices, "usage": usage(finals), "system_fingerprint": None}
+        answer = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                  "choices": choices, "usage": usage(finals), "system_fingerprint": None}
+        if self.body.return_token_ids and len(finals) == 1:
+            answer["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+        return answer
+
+    def _with_token_ids(self, choice: dict, final: RequestOutput, output: CompletionOutput) -> dict:
+        if not self.body.return_token_ids:
+            return choice
+        return {**choice, "prompt_token_ids": list(final.prompt_token_ids), "token_ids": list(output.token_ids)}
 
     def _logprobs_of(self, output: CompletionOutput, tokenizer):
         return self.logprobs(output.logprobs, tokenizer) if self.wants_logprobs and output.logprobs is not None else None

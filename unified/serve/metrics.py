@@ -49,6 +49,12 @@ class ServerMetrics:
         self.weights_version = Gauge("unified_weights_version", "Times the served weights were replaced since "
                                      "start (POST /v1/admin/reload_weights); 0: the weights it started with",
                                      registry=r)
+        self.weight_updates = Counter("unified_weight_updates", "Weight updates applied (reloads and trainers' "
+                                      "updates from disk or over torch.distributed)", registry=r)
+        self.weight_update_bytes = Counter("unified_weight_update_bytes", "Bytes of weights received or read by "
+                                           "those updates", registry=r)
+        self.weight_update_seconds = Counter("unified_weight_update_seconds", "Time spent applying those updates",
+                                             registry=r)
         self.step_seconds = Histogram("unified_engine_step_seconds", "Duration of one engine step",
                                       buckets=_LATENCY_BUCKETS, registry=r)
 
@@ -71,6 +77,12 @@ class ServerMetrics:
         self.fragmentation.set(stats.fragmentation)
         self.prefix_hit_rate.set(stats.prefix_hit_rate)
         self.preemptions.set(stats.preemptions)
+
+    def weight_updated(self, nbytes: int, seconds: float, version: int) -> None:
+        self.weight_updates.inc()
+        self.weight_update_bytes.inc(nbytes)
+        self.weight_update_seconds.inc(seconds)
+        self.weights_version.set(version)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from fastapi import APIRouter, Request
 
@@ -52,13 +53,15 @@ async def reload_weights(body: ReloadWeightsRequest, request: Request):
         raise APIError("another weight reload is in progress; retry when it has answered", status=409,
                        code="reload_in_progress")
     async with server.reloading:
-        engine = loop.engine
+        engine, started = loop.engine, time.perf_counter()
         try:
             staged = await asyncio.to_thread(stage_weights, body.path, engine.model, engine.dtype)
             version = await loop.update_weights(body.path, staged)
         except UserError as err:
             raise APIError(f"{err} (still serving weights version {engine.weights_version})", param="path",
                            code="weights_not_loaded") from None
-    server.metrics.weights_version.set(version)
+    server.weight_version = str(version)
+    server.metrics.weight_updated(sum(t.numel() * t.element_size() for t in staged.values()),
+                                  time.perf_counter() - started, version)
     log.info("now serving weights version %d from %s", version, body.path)
     return {"object": "weights", "reloaded": body.path, "weights_version": version}

@@ -122,7 +122,8 @@ async def model(model: str, request: Request):
 
 def _model_card(server) -> dict:
     context = server.startup.loop.engine.max_model_len if server.startup.ready else None
-    return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "unified", "max_model_len": context}
+    return {"id": server.model_name, "object": "model", "created": 0, "owned_by": "unified", "max_model_len": context,
+            "weight_version": server.weight_version}
 
 
 def _check_token_ids(ids: list[int], vocab: int, param: str) -> None:

@@ -171,12 +171,16 @@ class _Sampling(_Request):
     repetition_penalty: float = Field(1.0, gt=0, le=10)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
+    return_token_ids: bool = Field(False, description="vLLM's: each choice also carries its prompt_token_ids and the "
+                                                      "token_ids it generated (not with stream)")
 
     def check_supported(self) -> None:
         if self.response_format is not None and self.response_format.type != "text":
             raise InvalidRequest(f"response_format {self.response_format.type!r} needs constrained decoding, which "
                                  f"this server does not have yet; send response_format {{\"type\": \"text\"}} "
                                  f"or leave it out, and ask for JSON in the prompt")
+        if self.return_token_ids and self.stream:
+            raise InvalidRequest("return_token_ids works without streaming only here; send stream: false")
 
     @property
     def samples(self) -> int:

@@ -53,7 +53,12 @@ class AssistantMessage(BaseModel):
     tool_calls: list[AssistantToolCall] | None = None
 
 
-class _ChatChoice(BaseModel):
+class _TokenIds(BaseModel):
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids: the prompt as the model saw it")
+    token_ids: list[int] | None = Field(None, description="with return_token_ids: the tokens this choice generated")
+
+
+class _ChatChoice(_TokenIds):
     index: int
     logprobs: ChatLogprobs | None
     finish_reason: Literal["stop", "length", "tool_calls", "abort"] | None
@@ -115,7 +120,7 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_TokenIds):
     index: int
     text: str
     logprobs: CompletionLogprobs | None
@@ -142,6 +147,8 @@ class Model(BaseModel):
     created: int
     owned_by: str
     max_model_len: int | None = Field(description="the context in tokens; null while the server starts")
+    weight_version: str = Field(description="the served policy: the weight_version a trainer sent with its last "
+                                            "update, else the count of weight updates since start")
 
 
 class ModelList(BaseModel):

@@ -1,0 +1,127 @@
+"""`recipe=rollout` driven by an external trainer that knows nothing of unified (tests/serve/external_trainer.py):
+SGLang's weight-sync endpoints, token ids in and out, and clear refusals of bad protocol use."""
+from __future__ import annotations
+
+import datetime
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.serve.conftest import ServerProcess, free_port
+
+TRAINER = Path(__file__).with_name("external_trainer.py")
+PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny_checkpoint):
+    server = ServerProcess(tiny_checkpoint("llama"), "serve.warm_up=false", "serve.weight_update_timeout_s=5",
+                           recipe="rollout")
+    server.wait_ready()
+    yield server
+    assert server.stop() == 0, server.output()
+
+
+def _greedy(server) -> dict:
+    answer = httpx.post(server.base_url + "/v1/completions", json={
+        "model": server.model_name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 0,
+        "ignore_eos": True, "return_token_ids": True}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+@pytest.mark.parametrize("mode", ["distributed", "disk"])
+def test_an_external_trainer_updates_the_served_policy(rollout, tiny_checkpoint, tmp_path, mode):
+    run = subprocess.run([sys.executable, str(TRAINER), "--url", rollout.base_url, "--model",
+                          str(tiny_checkpoint("llama")), "--model-name", rollout.model_name, "--mode", mode,
+                          "--steps", "2", "--scratch", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr + rollout.output()[-3000:]
+    steps = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [s["weight_version"] for s in steps] == ["policy-1", "policy-2"]
+    assert all(s["max_gap"] <= 1e-5 for s in steps), steps
+    assert httpx.get(rollout.base_url + "/get_weight_version").json() == {"weight_version": "policy-2"}
+    answer = _greedy(rollout)
+    assert answer["prompt_token_ids"] == PROMPT and len(answer["choices"][0]["token_ids"]) == 4
+    models = httpx.get(rollout.base_url + "/v1/models")
+    assert models.json()["data"][0]["weight_version"] == "policy-2"
+    assert models.headers["x-weight-version"] == "policy-2"
+    assert rollout.metric("unified_weight_updates_total") >= 2
+
+
+def test_bad_protocol_use_is_refused_and_the_weights_stay(rollout):
+    before = _greedy(rollout)["choices"][0]["logprobs"]["token_logprobs"]
+    url = rollout.base_url
+    q = "model.layers.0.self_attn.q_proj.weight"
+    refused = httpx.post(url + "/update_weights_from_distributed",
+                         json={"names": [q], "dtypes": ["float32"], "shapes": [[64, 64]], "group_name": "nope"})
+    assert refused.status_code == 400 and not refused.json()["success"]
+    assert "no weight update group named 'nope'" in refused.json()["message"]
+    bad = httpx.post(url + "/init_weights_update_group", json={
+        "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+        "backend": "mpi"})
+    assert bad.status_code == 400 and "gloo on CPU" in bad.json()["message"]
+    assert httpx.post(url + "/destroy_weights_update_group", json={}).status_code == 400
+
+    group = _join(url)  # a trainer that declares a wrong shape, then one that never sends
+    thread, result = _post_in_background(url + "/update_weights_from_distributed", {
+        "names": [q, "model.layers.0.mlp.nonsense.weight"], "dtypes": ["float32", "float32"],
+        "shapes": [[64, 65], [3]]})
+    for shape in ([64, 65], [3]):  # the server still takes every declared tensor, so this does not hang
+        torch.distributed.broadcast(torch.zeros(shape), group_src=0, group=group)
+    thread.join()
+    status, body = result[0]
+    assert status == 400 and "received and dropped" in body["message"], body
+    assert "shape [64, 65], but the model's is [64, 64]" in body["message"]
+    assert "has no tensor 'model.layers.0.mlp.nonsense.weight'" in body["message"]
+    silent = httpx.post(url + "/update_weights_from_distributed",
+                        json={"names": [q], "dtypes": ["float32"], "shapes": [[64, 64]]}, timeout=60)
+    assert silent.status_code == 400 and "stopped sending" in silent.json()["message"], silent.text
+    assert "no weight update group" in httpx.post(url + "/destroy_weights_update_group", json={}).json()["message"]
+    torch.distributed.destroy_process_group(group)
+    assert _greedy(rollout)["choices"][0]["logprobs"]["token_logprobs"] == before
+    assert httpx.post(url + "/reset_prefix_cache").json()["success"]
+
+
+def test_token_ids_come_back_on_chat_too_and_not_with_a_stream(rollout):
+    chat = httpx.post(rollout.base_url + "/v1/chat/completions", json={
+        "model": rollout.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "return_token_ids": True}, timeout=60).json()
+    assert chat["prompt_token_ids"] == chat["choices"][0]["prompt_token_ids"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    streamed = httpx.post(rollout.base_url + "/v1/completions", json={
+        "model": rollout.model_name, "prompt": PROMPT, "stream": True, "return_token_ids": True})
+    assert streamed.status_code == 400 and "stream: false" in streamed.text
+
+
+def _post_in_background(url: str, body: dict) -> tuple[threading.Thread, list]:
+    result: list = []
+
+    def send():
+        answer = httpx.post(url, json=body, timeout=120)
+        result.append((answer.status_code, answer.json()))
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread, result
+
+
+def _join(url: str):
+    """This test process as the trainer's rank 0 of a two-member update group (the server is rank 1)."""
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, rendezvous
+
+    port, name = free_port(), "weight_update_group"
+    thread, result = _post_in_background(url + "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2, "backend": "gloo"})
+    timeout = datetime.timedelta(seconds=30)
+    store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
+    group, _ = _new_process_group_helper(2, 0, [], "gloo", PrefixStore(name, store), group_name=name, timeout=timeout)
+    thread.join()
+    assert result[0][0] == 200, result
+    return group

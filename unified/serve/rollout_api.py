@@ -1,0 +1,147 @@
+"""The endpoints an external RL trainer drives (`recipe=rollout`): SGLang's weight sync, prefix-cache reset.
+
+Paths, bodies and answers are SGLang's, so trainer code written for it works unchanged: an answer is
+`{"success": bool, "message": str}` (a refusal also carries the OpenAI `error` object and a 4xx status).
+SGLang's bodies carry optional fields that vary between its versions; the ones these endpoints do not
+use are accepted and ignored. Weight changes run on the engine thread between two steps, one at a time;
+requests in flight go on with the new weights. A trainer may name each update's policy with
+`weight_version`, which `/get_weight_version`, `/v1/models` and the `X-Weight-Version` header of every
+response report; without one it is the count of updates since start.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import ConfigDict, Field
+
+from unified.engine.weight_sync import JoinUpdateGroup, ReceiveWeights, WeightSyncError
+from unified.engine.weight_update import stage_weights
+from unified.errors import UserError
+from unified.serve.errors import APIError
+from unified.serve.protocol import _Request
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+PATHS = {"/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
+         "/destroy_weights_update_group", "/get_weight_version", "/reset_prefix_cache"}
+
+
+class _SGLangRequest(_Request):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class UpdateFromDiskRequest(_SGLangRequest):
+    model_path: str = Field(min_length=1, description="an HF checkpoint folder of the served architecture")
+    weight_version: str | None = None
+
+
+class InitGroupRequest(_SGLangRequest):
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1, description="this server's first rank in the group; the trainer is rank 0")
+    world_size: int = Field(ge=2)
+    group_name: str = Field(DEFAULT_GROUP, min_length=1)
+    backend: str = "gloo"
+
+
+class UpdateFromDistributedRequest(_SGLangRequest):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = Field(DEFAULT_GROUP, min_length=1)
+    flush_cache: bool = True
+    weight_version: str | None = None
+
+
+class DestroyGroupRequest(_SGLangRequest):
+    group_name: str = Field(DEFAULT_GROUP, min_length=1)
+
+
+def _refused(message: str, status: int = 400, code: str = "weight_sync_failed") -> JSONResponse:
+    body = APIError(message, status=status, code=code).body()
+    return JSONResponse({"success": False, "message": message, **body}, status_code=status)
+
+
+def _ok(message: str, **extra) -> dict:
+    return {"success": True, "message": message, **extra}
+
+
+async def _weights_changed(server, started: float, received: int, version: str | None) -> str:
+    engine = server.startup.loop.engine
+    server.weight_version = version if version is not None else str(engine.weights_version)
+    server.metrics.weight_updated(received, time.perf_counter() - started, engine.weights_version)
+    return server.weight_version
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(body: UpdateFromDiskRequest, request: Request):
+    server = request.app.state.server
+    loop = server.require_ready()
+    async with server.reloading:
+        engine, started = loop.engine, time.perf_counter()
+        try:
+            staged = await asyncio.to_thread(stage_weights, body.model_path, engine.model, engine.dtype)
+            await loop.update_weights(body.model_path, staged)
+        except UserError as err:
+            return _refused(f"{err} (still serving weight version {server.weight_version})")
+        received = sum(t.numel() * t.element_size() for t in staged.values())
+        version = await _weights_changed(server, started, received, body.weight_version)
+    log.info("now serving weight version %s from %s", version, body.model_path)
+    return _ok(f"serving the weights of {body.model_path}", weight_version=version)
+
+
+@router.post("/init_weights_update_group")
+async def init_weights_update_group(body: InitGroupRequest, request: Request):
+    server = request.app.state.server
+    loop = server.require_ready()
+    spec = JoinUpdateGroup(body.master_address, body.master_port, body.rank_offset, body.world_size,
+                           body.group_name, body.backend, server.limits.weight_update_timeout_s)
+    try:
+        await loop.between_steps(lambda: loop.engine.join_update_group(spec))
+    except WeightSyncError as err:
+        return _refused(str(err))
+    return _ok(f"joined the update group {body.group_name!r} ({body.world_size} ranks)")
+
+
+@router.post("/update_weights_from_distributed")
+async def update_weights_from_distributed(body: UpdateFromDistributedRequest, request: Request):
+    """Every tensor is received before the answer; the prefix cache is always emptied (its K/V came from
+    the old weights), whatever `flush_cache` says."""
+    server = request.app.state.server
+    loop = server.require_ready()
+    spec = ReceiveWeights(body.group_name, body.names, body.dtypes, body.shapes)
+    async with server.reloading:
+        started = time.perf_counter()
+        try:
+            received = await loop.between_steps(lambda: loop.engine.receive_weights(spec))
+        except WeightSyncError as err:
+            return _refused(f"{err} (serving weight version {server.weight_version})")
+        version = await _weights_changed(server, started, received, body.weight_version)
+    return _ok(f"updated {len(body.names)} tensors ({received} bytes)", weight_version=version)
+
+
+@router.post("/destroy_weights_update_group")
+async def destroy_weights_update_group(body: DestroyGroupRequest, request: Request):
+    loop = request.app.state.server.require_ready()
+    try:
+        await loop.between_steps(lambda: loop.engine.leave_update_group(body.group_name))
+    except WeightSyncError as err:
+        return _refused(str(err))
+    return _ok(f"left the update group {body.group_name!r}")
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request):
+    return {"weight_version": request.app.state.server.weight_version}
+
+
+@router.post("/reset_prefix_cache")
+async def reset_prefix_cache(request: Request):
+    loop = request.app.state.server.require_ready()
+    await loop.between_steps(loop.engine.blocks.reset_prefix_cache)
+    return _ok("the prefix cache is empty")
