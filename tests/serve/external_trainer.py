@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 
 import torch
-from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, rendezvous
+from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 from transformers import AutoModelForCausalLM
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
@@ -60,6 +60,7 @@ def join_update_group(url: str, world_size: int) -> object:
     store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, world_size, timeout=timeout))
     group, _ = _new_process_group_helper(world_size, 0, [], "gloo", PrefixStore(GROUP, store), group_name=GROUP,
                                          timeout=timeout)
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group ranks are this group's own
     thread.join()
     status, body = result[0]
     assert status == 200 and body["success"], body
@@ -106,6 +107,17 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     group = join_update_group(args.url, 2) if args.mode == "distributed" else None
+
+    def push(step: int) -> dict:
+        version = f"policy-{step}"
+        if group is not None:
+            return push_distributed(args.url, model, group, version)
+        model.save_pretrained(f"{args.scratch}/step-{step}")
+        return post(args.url + "/update_weights_from_disk",
+                    {"model_path": f"{args.scratch}/step-{step}", "weight_version": version})[1]
+
+    answer = push(0)  # the server starts from the trainer's weights, whatever it served before
+    assert answer["success"], answer
     tokens, served, _ = generate(args.url, args.model_name)
     with torch.no_grad():
         gap = (own_logprobs(model, tokens) - torch.tensor(served)).abs().max().item()
@@ -115,13 +127,7 @@ def main() -> None:
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        version = f"policy-{step}"
-        if group is not None:
-            answer = push_distributed(args.url, model, group, version)
-        else:
-            model.save_pretrained(f"{args.scratch}/step-{step}")
-            answer = post(args.url + "/update_weights_from_disk",
-                          {"model_path": f"{args.scratch}/step-{step}", "weight_version": version})[1]
+        answer = push(step)
         assert answer["success"], answer
         before = served
         tokens, served, _ = generate(args.url, args.model_name)

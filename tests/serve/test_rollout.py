@@ -13,19 +13,17 @@ import httpx
 import pytest
 import torch
 
-from tests.serve.conftest import ServerProcess, free_port
+from tests.serve.conftest import TINY_SERVER_OPTIONS, ServerProcess, free_port, ready
 
 TRAINER = Path(__file__).with_name("external_trainer.py")
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
 
 
 @pytest.fixture(scope="module")
-def rollout(tiny_checkpoint):
-    server = ServerProcess(tiny_checkpoint("llama"), "serve.warm_up=false", "serve.weight_update_timeout_s=5",
-                           recipe="rollout")
-    server.wait_ready()
-    yield server
-    assert server.stop() == 0, server.output()
+def rollout(tiny_chat_checkpoint):
+    with ready(ServerProcess(tiny_chat_checkpoint, *TINY_SERVER_OPTIONS, "serve.weight_update_timeout_s=5",
+                             env={"UNIFIED_API_KEY": ""}, recipe="rollout")) as server:
+        yield server
 
 
 def _greedy(server) -> dict:
@@ -37,9 +35,9 @@ def _greedy(server) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["distributed", "disk"])
-def test_an_external_trainer_updates_the_served_policy(rollout, tiny_checkpoint, tmp_path, mode):
+def test_an_external_trainer_updates_the_served_policy(rollout, tiny_chat_checkpoint, tmp_path, mode):
     run = subprocess.run([sys.executable, str(TRAINER), "--url", rollout.base_url, "--model",
-                          str(tiny_checkpoint("llama")), "--model-name", rollout.model_name, "--mode", mode,
+                          str(tiny_chat_checkpoint), "--model-name", rollout.model_name, "--mode", mode,
                           "--steps", "2", "--scratch", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr + rollout.output()[-3000:]
@@ -114,7 +112,7 @@ def _post_in_background(url: str, body: dict) -> tuple[threading.Thread, list]:
 
 def _join(url: str):
     """This test process as the trainer's rank 0 of a two-member update group (the server is rank 1)."""
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, rendezvous
+    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
     port, name = free_port(), "weight_update_group"
     thread, result = _post_in_background(url + "/init_weights_update_group", {
@@ -122,6 +120,7 @@ def _join(url: str):
     timeout = datetime.timedelta(seconds=30)
     store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 0, 2, timeout=timeout))
     group, _ = _new_process_group_helper(2, 0, [], "gloo", PrefixStore(name, store), group_name=name, timeout=timeout)
+    _world.pg_group_ranks[group] = {0: 0, 1: 1}  # group ranks are this group's own
     thread.join()
     assert result[0][0] == 200, result
     return group

@@ -81,7 +81,7 @@ class UpdateGroups:
 
     def join(self, spec: JoinUpdateGroup, engine_rank: int) -> None:
         """Blocks until every member (the trainer included) has joined, or the timeout."""
-        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, rendezvous
+        from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
         if spec.group_name in self.groups:
             raise WeightSyncError(f"an update group named {spec.group_name!r} exists already; destroy it first "
@@ -98,6 +98,8 @@ class UpdateGroups:
         except (RuntimeError, ValueError, OSError) as err:  # DistStoreError and DistNetworkError are RuntimeErrors
             raise WeightSyncError(f"could not form the update group {spec.group_name!r} with the trainer at "
                                   f"{spec.master_address}:{spec.master_port} within {spec.timeout_s:g} s: {err}") from None
+        # group ranks are global ranks in this group of its own: broadcast(src=0) and destroy_process_group need it
+        _world.pg_group_ranks[group] = {i: i for i in range(spec.world_size)}
         self.groups[spec.group_name] = group
         log.info("joined weight update group %r as rank %d of %d", spec.group_name, rank, spec.world_size)
 
