@@ -124,3 +124,46 @@ def _join(url: str):
     thread.join()
     assert result[0][0] == 200, result
     return group
+
+
+def _resident_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS:")).split()[1]) * 1024
+
+
+def test_sleep_gives_the_kv_cache_back_and_waking_serves_alike(tiny_chat_checkpoint):
+    options = [o for o in TINY_SERVER_OPTIONS if not o.startswith(("engine.num_blocks", "serve.max_body_bytes"))]
+    with ready(ServerProcess(tiny_chat_checkpoint, *options, "engine.num_blocks=2048", "engine.prefix_caching=false",
+                             env={"UNIFIED_API_KEY": ""}, recipe="rollout")) as server:
+        url, original = server.base_url, _greedy(server)["choices"][0]
+        g = torch.Generator().manual_seed(0)
+        fill = [torch.randint(100, 40000, (1000,), generator=g).tolist() for _ in range(32)]  # 32 x 64 blocks
+        answer = httpx.post(url + "/v1/completions", json={"model": server.model_name, "prompt": fill,
+                                                           "max_tokens": 24, "ignore_eos": True}, timeout=300)
+        assert answer.status_code == 200, answer.text
+        awake = _resident_bytes(server.proc.pid)
+        asleep = httpx.post(url + "/sleep?level=1", timeout=60).json()
+        assert "freed" in asleep, asleep
+        freed = asleep["freed"]["kv_cache_bytes"]
+        assert asleep["success"] and freed == 2048 * 16 * 512  # blocks x tokens x bytes per token
+        dropped = awake - _resident_bytes(server.proc.pid)
+        assert dropped >= 0.8 * freed, f"resident memory fell by {dropped} bytes of a {freed}-byte KV cache"
+        assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": True}
+        assert httpx.get(url + "/health").json()["sleeping"] is True
+        refused = httpx.post(url + "/v1/completions", json={"model": server.model_name, "prompt": PROMPT})
+        assert refused.status_code == 503 and "POST /wake_up" in refused.text
+        assert httpx.post(url + "/wake_up").json()["success"]
+        assert _greedy(server)["choices"][0] == original
+
+        assert "weight_bytes" in httpx.post(url + "/sleep?level=2").json()["freed"]
+        refused = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tiny_chat_checkpoint)})
+        assert refused.status_code == 400 and "wake the engine up first" in refused.json()["message"]
+        assert "send the weights" in httpx.post(url + "/wake_up").json()["message"]
+        refused = httpx.post(url + "/v1/completions", json={"model": server.model_name, "prompt": PROMPT})
+        assert refused.status_code == 503 and "no weights" in refused.text
+        restored = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tiny_chat_checkpoint)},
+                              timeout=60)
+        assert restored.json()["success"], restored.text
+        assert _greedy(server)["choices"][0] == original
+        assert httpx.post(url + "/sleep?level=3").status_code == 400
+        assert server.metric("unified_asleep_seconds_total") > 0

@@ -26,6 +26,7 @@ from unified.engine.sampler import TokenLogprob, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
+from unified.engine.sleep_mode import EngineBusy, Sleep, WakeUp, drop_weights, give_memory_back, restore_weights
 from unified.engine.weight_sync import (JoinUpdateGroup, LeaveUpdateGroup, ReceiveWeights, UpdateGroups,
                                        WeightSyncError, check_join)
 from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
@@ -115,6 +116,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self.weights_version = 0  # how many times update_weights replaced the weights
         self.update_groups = UpdateGroups(model, device)  # external trainers' weight-sync groups (weight_sync)
+        self.sleep_level = 0  # sleep_mode: 0 awake, 1 KV cache and packed copies freed, 2 the weights too
+        self.weights_missing = False  # woken from level 2: no weights until an update brings them
+        self._dropped_shapes: dict = {}
+        self._accelerator = accelerator
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d bytes/token)", num_blocks,
                  engine_cfg.block_size, num_blocks * engine_cfg.block_size, cache.total_bytes / 2 ** 20,
@@ -198,7 +203,7 @@ class LLMEngine:
         self.runner.follow(self._follow_command)
 
     def _follow_command(self, command) -> None:
-        if isinstance(command, (JoinUpdateGroup, ReceiveWeights, LeaveUpdateGroup)):
+        if isinstance(command, (JoinUpdateGroup, ReceiveWeights, LeaveUpdateGroup, Sleep, WakeUp)):
             try:
                 self._weight_sync(command)
             except WeightSyncError as err:
@@ -221,6 +226,7 @@ class LLMEngine:
         updates in vLLM do); the prefix cache is emptied and those requests publish no more blocks to it,
         so no request admitted after the swap reuses K/V of the old weights. If any rank cannot stage
         its shard, no rank swaps and WeightMismatch says why."""
+        self._check_weights_present()
         if self.runner.distributed:
             self.runner.command(UpdateWeights(str(path)))
         self._swap_weights(staged, None)
@@ -235,6 +241,7 @@ class LLMEngine:
                 raise WeightMismatch(f"the served weights were kept: {'; '.join(failed)}")
         copy_weights(self.model, staged)
         self._weights_changed()
+        self.weights_missing = False
 
     # Weights pushed by an external trainer (SGLang's protocol; see weight_sync) ---------------------------
 
@@ -247,12 +254,27 @@ class LLMEngine:
         """Driver, between steps: every rank receives the update's tensors from the trainer and writes its
         part; returns the bytes received. All or nothing: a bad name, dtype or shape on any rank leaves
         every rank's weights untouched (WeightSyncError)."""
+        self._check_weights_present()
         return self._drive(spec)
+
+    def _check_weights_present(self) -> None:
+        if self.sleep_level >= 2:
+            raise WeightSyncError("the weights were freed by sleep level 2; wake the engine up first, then send them")
 
     def leave_update_group(self, name: str) -> None:
         if name not in self.update_groups.groups:
             raise WeightSyncError(self.update_groups.not_joined(name))
         self._drive(LeaveUpdateGroup(name))
+
+    def sleep(self, level: int) -> dict[str, int]:
+        """Driver, with no request in flight: frees memory on every rank (see sleep_mode); returns the
+        bytes this rank freed, by kind."""
+        if self.requests:
+            raise EngineBusy(f"{len(self.requests)} requests are still in flight; finish or abort them first")
+        return self._drive(Sleep(level))
+
+    def wake_up(self) -> None:
+        self._drive(WakeUp())
 
     def _drive(self, command):
         if self.runner.distributed:
@@ -262,6 +284,10 @@ class LLMEngine:
     def _weight_sync(self, command):
         """On every rank: one weight-sync command, with the ranks' errors pooled so that all act alike."""
         groups = self.update_groups
+        if isinstance(command, Sleep):
+            return self._sleep(command.level)
+        if isinstance(command, WakeUp):
+            return self._wake_up()
         if isinstance(command, LeaveUpdateGroup):
             return groups.leave(command.group_name)
         if isinstance(command, JoinUpdateGroup):
@@ -278,7 +304,29 @@ class LLMEngine:
         problems = self._pooled(*groups.stream.problems(command.names, command.dtypes, command.shapes))
         received = groups.receive(command, sorted(set(problems)))
         self._weights_changed()
+        self.weights_missing = False
         return received
+
+    def _sleep(self, level: int) -> dict[str, int]:
+        if self.sleep_level:
+            return {}
+        freed = {"kv_cache_bytes": self.release_kv_cache(), "packed_weight_bytes": self.model.unpack_weights()}
+        if level >= 2:
+            self._dropped_shapes, freed["weight_bytes"] = drop_weights(self.model)
+        give_memory_back(self.device, self._accelerator)
+        self.sleep_level = level
+        return freed
+
+    def _wake_up(self) -> None:
+        if not self.sleep_level:
+            return
+        if self.sleep_level >= 2:
+            restore_weights(self.model, self._dropped_shapes)
+            self.weights_missing = True
+        self.restore_kv_cache()
+        if self.cfg.packed_weights:
+            self.model.pack_weights()
+        self.sleep_level = 0
 
     def _pooled(self, *errors: str | None) -> list[str]:
         """Every rank's errors (one call on every rank of the engine)."""
@@ -291,7 +339,7 @@ class LLMEngine:
 
     def _weights_changed(self) -> None:
         """After the weights changed in place: fresh packed copies, no prefix cached with the old ones."""
-        if self.cfg.packed_weights:
+        if self.cfg.packed_weights and not self.sleep_level:  # asleep, waking packs them
             self.model.pack_weights()  # the copies of the old weights are stale now (and ignored)
         self.blocks.reset_prefix_cache()
         self.runner.encoder_cache.clear()  # the vision tower may have changed too

@@ -181,3 +181,15 @@ class CausalLM(nn.Module):
                 module.pack()
         if self.config.tie_word_embeddings and self.stage.last:
             self.tied_head_packed = kernels.pack_weight(self.embed.weight)
+
+    def unpack_weights(self) -> int:
+        """Drops the packed copies `pack_weights` made; returns their bytes."""
+        freed = 0
+        for module in self.modules():
+            if isinstance(module, PackableLinear) and module.packed is not None:
+                freed += module.packed.tensor.numel() * module.packed.tensor.element_size()
+                module.packed = None
+        if self.tied_head_packed is not None:
+            freed += self.tied_head_packed.tensor.numel() * self.tied_head_packed.tensor.element_size()
+            self.tied_head_packed = None
+        return freed

@@ -26,3 +26,14 @@ def retain_freed_host_memory() -> bool:
     if not hasattr(libc, "gnu_get_libc_version") or not hasattr(libc, "mallopt"):
         return False
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) and libc.mallopt(_M_TRIM_THRESHOLD, -1))
+
+
+def release_freed_host_memory() -> bool:
+    """Hands the heap's free pages back to the kernel now (glibc's malloc_trim), for a caller that just freed
+    a lot and wants the resident memory to drop (a server going to sleep); False where not glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "malloc_trim"):
+        return False
+    return bool(libc.malloc_trim(0))

@@ -43,12 +43,22 @@ class ServerState:
         self.conversations = ConversationLog(cfg.serve.conversation_log) if cfg.serve.conversation_log else None
         self.reloading = asyncio.Lock()  # one weight change at a time (reload, or a trainer's update)
         self.weight_version = "0"  # the served policy's name: a trainer's weight_version, or the update count
+        self.sleeping = False  # POST /sleep (recipe=rollout): generation requests get 503 until /wake_up
 
-    def require_ready(self):
+    def require_ready(self, generating: bool = True):
+        """The engine loop, once started; for `generating` requests also awake and holding weights."""
         if not self.startup.ready:
             raise APIError(f"the server is starting ({self.startup.phase}); retry shortly", status=503,
                            type="server_unavailable", headers={"Retry-After": str(self.limits.retry_after_s)})
-        return self.startup.loop
+        loop = self.startup.loop
+        if generating and self.sleeping:
+            raise APIError("the server is asleep (POST /sleep) while its trainer uses the memory; POST /wake_up "
+                           "first", status=503, type="server_unavailable", code="sleeping")
+        if generating and loop.engine.weights_missing:
+            raise APIError("the server has no weights: sleep level 2 freed them; send them with "
+                           "POST /update_weights_from_distributed or /update_weights_from_disk", status=503,
+                           type="server_unavailable", code="no_weights")
+        return loop
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -236,6 +246,8 @@ def create_app(cfg) -> FastAPI:
         if state.startup.ready:
             report["model"] = state.model_name
             report["weights_version"] = state.startup.loop.engine.weights_version
+            if cfg.serve.rollout_endpoints:
+                report.update(sleeping=state.sleeping, weight_version=state.weight_version)
             return JSONResponse(report)
         return JSONResponse(report, status_code=503, headers={"Retry-After": str(cfg.serve.retry_after_s)})
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from unified.engine.llm_engine import LLMEngine, RequestOutput
 from unified.engine.sampler import TokenLogprob
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
-from unified.engine.weight_update import WeightMismatch
+from unified.errors import UserError
 from unified.runtime.comm import CommLedger, recording
 from unified.serve.thread_futures import settle_from_thread
 
@@ -179,7 +179,7 @@ class EngineLoop:
     def _update_weights(self, path: str, staged: dict, loop: asyncio.AbstractEventLoop, done: asyncio.Future) -> None:
         try:
             outcome = self.engine.update_weights(path, staged)
-        except WeightMismatch as err:
+        except UserError as err:  # WeightMismatch, or weights freed by sleep
             outcome = err
         except Exception as err:  # a bug: report it to the caller, keep serving
             log.exception("weight update failed")

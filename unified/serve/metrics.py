@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Info, disable_created_metrics,
+                               generate_latest)
 
 if TYPE_CHECKING:
     from unified.engine.llm_engine import EngineStats
@@ -55,6 +56,10 @@ class ServerMetrics:
                                            "those updates", registry=r)
         self.weight_update_seconds = Counter("unified_weight_update_seconds", "Time spent applying those updates",
                                              registry=r)
+        self.weight_version = Info("unified_weight_version", "The served policy's weight_version (recipe=rollout)",
+                                   registry=r)
+        self.asleep_seconds = Counter("unified_asleep_seconds", "Time spent asleep (POST /sleep to /wake_up)",
+                                      registry=r)
         self.step_seconds = Histogram("unified_engine_step_seconds", "Duration of one engine step",
                                       buckets=_LATENCY_BUCKETS, registry=r)
 

@@ -1,4 +1,5 @@
-"""The endpoints an external RL trainer drives (`recipe=rollout`): SGLang's weight sync, prefix-cache reset.
+"""The endpoints an external RL trainer drives (`recipe=rollout`): SGLang's weight sync, vLLM's sleep mode,
+prefix-cache reset.
 
 Paths, bodies and answers are SGLang's, so trainer code written for it works unchanged: an answer is
 `{"success": bool, "message": str}` (a refusal also carries the OpenAI `error` object and a 4xx status).
@@ -7,6 +8,12 @@ use are accepted and ignored. Weight changes run on the engine thread between tw
 requests in flight go on with the new weights. A trainer may name each update's policy with
 `weight_version`, which `/get_weight_version`, `/v1/models` and the `X-Weight-Version` header of every
 response report; without one it is the count of updates since start.
+
+`POST /sleep?level=1` lets in-flight requests finish (for up to serve.shutdown_timeout_s, then ends them
+with an error), then frees the KV cache and the packed weight copies; `level=2` frees the weights too.
+Asleep, generation requests get 503 and /health says `"sleeping": true`; weight updates still work at
+level 1. `POST /wake_up` takes the memory back; after level 2 the weights must come again by an update
+before the server generates.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import ConfigDict, Field
 
+from unified.engine.sleep_mode import EngineBusy
 from unified.engine.weight_sync import JoinUpdateGroup, ReceiveWeights, WeightSyncError
 from unified.engine.weight_update import stage_weights
 from unified.errors import UserError
@@ -28,7 +36,9 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 PATHS = {"/update_weights_from_disk", "/init_weights_update_group", "/update_weights_from_distributed",
-         "/destroy_weights_update_group", "/get_weight_version", "/reset_prefix_cache"}
+         "/destroy_weights_update_group", "/get_weight_version", "/reset_prefix_cache", "/sleep", "/wake_up",
+         "/is_sleeping"}
+SLEEP_LEVELS = (1, 2)
 
 
 class _SGLangRequest(_Request):
@@ -75,13 +85,14 @@ async def _weights_changed(server, started: float, received: int, version: str |
     engine = server.startup.loop.engine
     server.weight_version = version if version is not None else str(engine.weights_version)
     server.metrics.weight_updated(received, time.perf_counter() - started, engine.weights_version)
+    server.metrics.weight_version.info({"version": server.weight_version})
     return server.weight_version
 
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(body: UpdateFromDiskRequest, request: Request):
     server = request.app.state.server
-    loop = server.require_ready()
+    loop = server.require_ready(generating=False)
     async with server.reloading:
         engine, started = loop.engine, time.perf_counter()
         try:
@@ -98,7 +109,7 @@ async def update_weights_from_disk(body: UpdateFromDiskRequest, request: Request
 @router.post("/init_weights_update_group")
 async def init_weights_update_group(body: InitGroupRequest, request: Request):
     server = request.app.state.server
-    loop = server.require_ready()
+    loop = server.require_ready(generating=False)
     spec = JoinUpdateGroup(body.master_address, body.master_port, body.rank_offset, body.world_size,
                            body.group_name, body.backend, server.limits.weight_update_timeout_s)
     try:
@@ -113,7 +124,7 @@ async def update_weights_from_distributed(body: UpdateFromDistributedRequest, re
     """Every tensor is received before the answer; the prefix cache is always emptied (its K/V came from
     the old weights), whatever `flush_cache` says."""
     server = request.app.state.server
-    loop = server.require_ready()
+    loop = server.require_ready(generating=False)
     spec = ReceiveWeights(body.group_name, body.names, body.dtypes, body.shapes)
     async with server.reloading:
         started = time.perf_counter()
@@ -127,7 +138,7 @@ async def update_weights_from_distributed(body: UpdateFromDistributedRequest, re
 
 @router.post("/destroy_weights_update_group")
 async def destroy_weights_update_group(body: DestroyGroupRequest, request: Request):
-    loop = request.app.state.server.require_ready()
+    loop = request.app.state.server.require_ready(generating=False)
     try:
         await loop.between_steps(lambda: loop.engine.leave_update_group(body.group_name))
     except WeightSyncError as err:
@@ -142,6 +153,50 @@ async def get_weight_version(request: Request):
 
 @router.post("/reset_prefix_cache")
 async def reset_prefix_cache(request: Request):
-    loop = request.app.state.server.require_ready()
+    loop = request.app.state.server.require_ready(generating=False)
     await loop.between_steps(loop.engine.blocks.reset_prefix_cache)
     return _ok("the prefix cache is empty")
+
+
+@router.post("/sleep")
+async def sleep(request: Request, level: int = 1):
+    server = request.app.state.server
+    loop = server.require_ready(generating=False)
+    if level not in SLEEP_LEVELS:
+        return _refused(f"level={level}: sleep levels are 1 (free the KV cache and packed weight copies) and 2 (the "
+                        f"weights too)", code="invalid_sleep_level")
+    if server.sleeping:
+        return _ok("already asleep")
+    server.sleeping = True  # from here on generation requests are refused
+    deadline = time.monotonic() + server.limits.shutdown_timeout_s
+    while loop.num_in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if loop.num_in_flight:
+        log.warning("going to sleep: ending %d requests still in flight", loop.num_in_flight)
+        loop.cancel_all("the server went to sleep (POST /sleep) before this request finished; retry after it wakes up")
+    try:
+        freed = await loop.between_steps(lambda: loop.engine.sleep(level))
+    except EngineBusy as err:  # a request slipped in before the flag was seen: stay awake
+        server.sleeping = False
+        return _refused(f"could not go to sleep: {err}", status=409, code="busy")
+    server.asleep_since = time.monotonic()
+    log.info("asleep at level %d: freed %s", level, freed)
+    return _ok(f"asleep at level {level}", freed=freed)
+
+
+@router.post("/wake_up")
+async def wake_up(request: Request):
+    server = request.app.state.server
+    loop = server.require_ready(generating=False)
+    if not server.sleeping:
+        return _ok("already awake")
+    await loop.between_steps(loop.engine.wake_up)
+    server.metrics.asleep_seconds.inc(time.monotonic() - server.asleep_since)
+    server.sleeping = False
+    return _ok("awake" + ("; send the weights before generating (sleep level 2 freed them)"
+                          if loop.engine.weights_missing else ""))
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(request: Request):
+    return {"is_sleeping": request.app.state.server.sleeping}
