@@ -12,11 +12,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_cli
+from tests.conftest import ROOT, build_tiny_chat_checkpoint, run_cli
 from tests.engine.conftest import greedy_answer
 from tests.serve.conftest import free_port
 
@@ -147,4 +148,46 @@ def test_serving_on_two_ranks_reports_collectives_reloads_weights_and_stops_clea
         assert "exitcode" not in output and str(ROOT / "unified") not in output, output[-3000:]
     finally:
         if server.poll() is None:
+            server.kill()
+
+
+def test_an_external_trainer_updates_a_tensor_parallel_rollout_server(smollm2_checkpoint, tmp_path):
+    """recipe=rollout under deepspeed with parallel=tp2: both ranks join the trainer's update group and each
+    writes its slice of every tensor the trainer broadcasts (tests/serve/external_trainer.py). Weights drawn
+    narrow, so logprobs are of the size a trained model's are and fp32 rounding stays below the 1e-5 asked."""
+    import httpx
+
+    checkpoint = build_tiny_chat_checkpoint(tmp_path / "tiny-chat", smollm2_checkpoint, init_std=0.02)
+    port = free_port()
+    log = tempfile.TemporaryFile(mode="w+")
+    server = subprocess.Popen(
+        [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "unified",
+         "recipe=rollout", f"model={checkpoint}", f"port={port}", "parallel=tp2", "engine.num_blocks=64",
+         "serve.warm_up=false"],
+        stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.mkdtemp(),
+        env={**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{BIN}:{os.environ['PATH']}", "UNIFIED_API_KEY": ""})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "server did not come up"
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        trainer = Path(ROOT, "tests", "serve", "external_trainer.py")
+        run = subprocess.run([sys.executable, str(trainer), "--url", base, "--model", str(checkpoint),
+                              "--model-name", checkpoint.name, "--mode", "distributed", "--steps", "2",
+                              "--server-ranks", "2"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        log.seek(0)
+        assert run.returncode == 0, run.stdout + run.stderr + log.read()[-4000:]
+        steps = [json.loads(line) for line in run.stdout.splitlines()]
+        assert len(steps) == 2 and all(s["max_gap"] <= 1e-5 for s in steps), steps
+    finally:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
             server.kill()

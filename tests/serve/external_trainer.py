@@ -7,7 +7,7 @@ checkpoint on disk), then checks that the server now samples the updated policy.
 per step and exits 0 when every check held.
 
     python external_trainer.py --url http://127.0.0.1:8000 --model <hf dir> --model-name <served name>
-                               --mode distributed|disk --steps 2 [--scratch <dir>]
+                               --mode distributed|disk --steps 2 [--scratch <dir>] [--server-ranks N]
 """
 from __future__ import annotations
 
@@ -103,10 +103,11 @@ def main() -> None:
     parser.add_argument("--mode", choices=["distributed", "disk"], required=True)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--scratch", help="where --mode disk writes its checkpoints")
+    parser.add_argument("--server-ranks", type=int, default=1, help="the server's ranks (its tensor parallel size)")
     args = parser.parse_args()
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    group = join_update_group(args.url, 2) if args.mode == "distributed" else None
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    group = join_update_group(args.url, 1 + args.server_ranks) if args.mode == "distributed" else None
 
     def push(step: int) -> dict:
         version = f"policy-{step}"

@@ -13,6 +13,7 @@ import httpx
 import pytest
 import torch
 
+from tests.conftest import build_tiny_chat_checkpoint
 from tests.serve.conftest import TINY_SERVER_OPTIONS, ServerProcess, free_port, ready
 
 TRAINER = Path(__file__).with_name("external_trainer.py")
@@ -20,8 +21,14 @@ PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
 
 
 @pytest.fixture(scope="module")
-def rollout(tiny_chat_checkpoint):
-    with ready(ServerProcess(tiny_chat_checkpoint, *TINY_SERVER_OPTIONS, "serve.weight_update_timeout_s=5",
+def narrow_chat(tmp_path_factory, smollm2_checkpoint):
+    """Weights drawn narrow: logprobs of the size a trained model's are, so fp32 rounding stays under 1e-5."""
+    return build_tiny_chat_checkpoint(tmp_path_factory.mktemp("tiny-chat-narrow"), smollm2_checkpoint, init_std=0.02)
+
+
+@pytest.fixture(scope="module")
+def rollout(narrow_chat):
+    with ready(ServerProcess(narrow_chat, *TINY_SERVER_OPTIONS, "serve.weight_update_timeout_s=5",
                              env={"UNIFIED_API_KEY": ""}, recipe="rollout")) as server:
         yield server
 
@@ -35,9 +42,9 @@ def _greedy(server) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["distributed", "disk"])
-def test_an_external_trainer_updates_the_served_policy(rollout, tiny_chat_checkpoint, tmp_path, mode):
+def test_an_external_trainer_updates_the_served_policy(rollout, narrow_chat, tmp_path, mode):
     run = subprocess.run([sys.executable, str(TRAINER), "--url", rollout.base_url, "--model",
-                          str(tiny_chat_checkpoint), "--model-name", rollout.model_name, "--mode", mode,
+                          str(narrow_chat), "--model-name", rollout.model_name, "--mode", mode,
                           "--steps", "2", "--scratch", str(tmp_path)],
                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr + rollout.output()[-3000:]
