@@ -50,6 +50,27 @@ def test_raw_logprobs_match_a_full_forward(engine, tiny_models):
         assert max(abs(lp - v) for (_, lp), v in zip(entry.top, top.values.tolist())) <= 1e-4
 
 
+def test_prompt_logprobs_match_a_full_forward_across_chunks_and_a_cached_prefix(engine, tiny_models):
+    """A 150-token prompt prefills in chunks of 64; a second request with the same prompt would find it in
+    the prefix cache, but its prompt logprobs need every prompt row computed."""
+    model = tiny_models("llama").model
+    prompt = [(7 * i) % 150 + 3 for i in range(150)]
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=3, seed=1, prompt_logprobs=3, ignore_eos=True)
+    first, second = (generate_all(engine, [prompt], params)[0] for _ in range(2))
+    with torch.inference_mode():
+        full = model.logits(model(torch.tensor([prompt]), torch.arange(len(prompt))))[0].float().log_softmax(-1)
+    for out in (first, second):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        for position, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            row = full[position - 1]
+            assert entry.token_id == prompt[position]
+            assert abs(entry.logprob - row[prompt[position]].item()) <= 1e-4
+            assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
+            assert entry.rank == 1 + int((row > row[prompt[position]]).sum())
+    assert generate_all(engine, [prompt], SamplingParams(max_tokens=2))[0].prompt_logprobs is None
+    assert_no_block_leaks(engine)
+
+
 def test_processed_logprobs_reflect_temperature(engine):
     raw = generate_all(engine, [PROMPT], SamplingParams(temperature=0, max_tokens=3, logprobs=0))[0].outputs[0]
     hot = generate_all(engine, [PROMPT], SamplingParams(temperature=0.5, max_tokens=1, logprobs=0, seed=0,

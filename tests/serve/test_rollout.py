@@ -105,6 +105,24 @@ def test_token_ids_come_back_on_chat_too_and_not_with_a_stream(rollout):
     assert streamed.status_code == 400 and "stream: false" in streamed.text
 
 
+def test_prompt_logprobs_score_every_prompt_token(rollout):
+    url, name = rollout.base_url, rollout.model_name
+    choice = httpx.post(url + "/v1/completions", json={"model": name, "prompt": PROMPT, "max_tokens": 2,
+                                                      "prompt_logprobs": 2}, timeout=60).json()["choices"][0]
+    scored = choice["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == len(PROMPT)
+    for token, entry in zip(PROMPT[1:], scored[1:]):
+        mine = entry[str(token)]
+        assert mine["logprob"] <= 0 and mine["rank"] >= 1 and mine["decoded_token"]
+        ranked = sorted((e for t, e in entry.items() if t != str(token) or e["rank"] <= 2), key=lambda e: e["rank"])
+        assert [e["rank"] for e in ranked][:2] == [1, 2]
+    chat = httpx.post(url + "/v1/chat/completions", json={
+        "model": name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2,
+        "prompt_logprobs": 0}, timeout=60).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all("prompt_logprobs" not in c for c in chat["choices"])
+
+
 def _post_in_background(url: str, body: dict) -> tuple[threading.Thread, list]:
     result: list = []
 

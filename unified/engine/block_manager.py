@@ -76,7 +76,7 @@ class BlockManager:
         At least one prompt token is always left to compute, so the step produces logits.
         """
         assert not seq.block_table
-        if not self.prefix_caching:
+        if not self.prefix_caching or seq.params.prompt_logprobs is not None:  # those need every prompt token's logits
             return 0
         size = self.block_size
         candidates = (seq.num_tokens - 1) // size

@@ -22,7 +22,7 @@ from unified.engine.block_manager import BlockManager
 from unified.engine.kv_cache import CacheShape, KVCache, kv_bits_of
 from unified.engine.model_runner import ImagesFailed, ModelRunner
 from unified.engine.multimodal import MultimodalPrompt, multimodal_prompt
-from unified.engine.sampler import TokenLogprob, sample
+from unified.engine.sampler import TokenLogprob, prompt_logprob_entry, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
@@ -54,6 +54,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # the request failed in the engine: its outputs end with finish_reason "error"
+    prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: None, then a TokenLogprob per token
 
 
 @dataclass
@@ -455,6 +456,9 @@ class LLMEngine:
         if self.runner.prefetches:  # while the forward is in flight on an accelerator
             self.runner.prefetch_images(self._upcoming_images(batch))
         sampling = [item.seq for item in batch if item.samples]
+        if self.runner.prompt_rows:
+            self._score_prompts(logits[len(sampling):])
+            logits = logits[:len(sampling)]
         tokens, entries = choose(logits, sampling) if sampling else ([], [])
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
@@ -475,6 +479,16 @@ class LLMEngine:
             except Exception as err:  # noqa: BLE001 - this request's own failure: end it, step on for the others
                 outputs[request_id] = self._fail(request_id, err)
         return list(outputs.values())
+
+    def _score_prompts(self, logits: torch.Tensor) -> None:
+        """The raw log-probability (and the top k) of each prompt token the step's prompt rows predict."""
+        row = 0
+        for seq, start, count in self.runner.prompt_rows:
+            chunk = logits[row:row + count].float().log_softmax(-1)
+            row += count
+            targets = seq.token_ids[start + 1:start + 1 + count]
+            seq.prompt_logprobs += [prompt_logprob_entry(lp, token, seq.params.prompt_logprobs)
+                                    for lp, token in zip(chunk, targets)]
 
     def _upcoming_images(self, batch) -> list:
         """Images of running and waiting sequences (in the order they run) that the steps after this one need."""
@@ -521,8 +535,10 @@ class LLMEngine:
         request = self.requests[request_id]
         completions = [self._completion(s) for s in request.seqs]  # may raise: the request is still there to fail
         del self.requests[request_id]
+        first = request.seqs[0]
+        prompt_logprobs = [None, *first.prompt_logprobs] if first.params.prompt_logprobs is not None else None
         return RequestOutput(request_id, request.prompt_token_ids, completions, True,
-                             max(s.num_cached_prompt_tokens for s in request.seqs))
+                             max(s.num_cached_prompt_tokens for s in request.seqs), prompt_logprobs=prompt_logprobs)
 
     def _fail(self, request_id: str, err: Exception) -> RequestOutput:
         """Ends a request whose own share of a step raised, freeing its blocks as an abort does. Its outputs

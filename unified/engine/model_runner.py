@@ -46,6 +46,7 @@ class ModelRunner:
         self.driver = torch.distributed.get_global_rank(group, 0) if group is not None else 0
         self.device = device
         self.cache: KVCache | None = None
+        self.prompt_rows: list[tuple] = []  # the last prepared step's prompt-logprob rows (see prepare)
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.mrope = getattr(model.config, "mrope_section", None) is not None
         on_accelerator = device.type != "cpu" and accelerator is not None
@@ -60,6 +61,10 @@ class ModelRunner:
         positions: list = []
         slots: list[int] = []
         query_start, context_lens, sample_rows = [0], [], []
+        # (sequence, first prompt position, count): rows whose logits score the prompt's next tokens, after
+        # the sampling rows in the logits `execute` returns
+        prompt_rows: list[tuple] = []
+        prompt_row_indexes: list[int] = []
         image_rows: list[tuple] = []  # (request id, span, first row, end row) in token order
         image_tokens: list[int] = []  # indexes in the step's tokens that take image rows
         for item in batch:
@@ -83,6 +88,10 @@ class ModelRunner:
             context_lens.append(end)
             if item.samples:
                 sample_rows.append(query_start[-1] - 1)
+            if seq.params.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens - 1:
+                last = min(end, seq.num_prompt_tokens - 1)  # the prompt's last row predicts the first output
+                prompt_rows.append((seq, start, last - start))
+                prompt_row_indexes += range(query_start[-2], query_start[-2] + last - start)
         width = max(len(item.seq.block_table) for item in batch)
         tables = torch.tensor([item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch],
                               dtype=torch.long)
@@ -98,7 +107,8 @@ class ModelRunner:
             mask = torch.zeros_like(ids, dtype=torch.bool)
             mask[0, image_tokens] = True
             images = (self._image_embeds(image_rows), mask)
-        return ids, pos, meta, sample_rows, images
+        self.prompt_rows = prompt_rows
+        return ids, pos, meta, sample_rows + prompt_row_indexes, images
 
     def _encode(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | None) -> torch.Tensor:
         return self.model.encode_images(pixel_values.to(self.device, self.model.dtype),
@@ -172,7 +182,8 @@ class ModelRunner:
         return torch.distributed.get_rank(self.group)
 
     def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Runs the step; returns float32 logits [num sampling sequences, V] in batch order."""
+        """Runs the step; returns float32 logits [num sampling sequences, V] in batch order, then the rows
+        of `prompt_rows` (prompt logprobs)."""
         plan = self.prepare(batch)
         if self.distributed:
             torch.distributed.broadcast_object_list([plan], src=self.driver, group=self.group)

@@ -28,6 +28,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # the k most likely tokens and their logprobs, best first
+    rank: int | None = None  # 1 + how many tokens are likelier (prompt logprobs report it, as vLLM does)
 
 
 def _sanitize(logits: torch.Tensor) -> torch.Tensor:
@@ -90,6 +91,13 @@ def _log_probs(logits: torch.Tensor) -> torch.Tensor:
     """log-softmax whose entries are finite or -inf (a row without finite logits would give nan)."""
     logprobs = logits.log_softmax(-1)
     return logprobs.masked_fill(logprobs.isnan(), float("-inf"))
+
+
+def prompt_logprob_entry(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """A prompt token's entry from its row of raw log-probabilities [V], with its rank."""
+    entry = _logprob_entry(logprobs, token, k)
+    entry.rank = 1 + int((logprobs > logprobs[token]).sum())
+    return entry
 
 
 def _logprob_entry(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:

@@ -31,6 +31,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: the chosen token's; k: plus the top k
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (never from the prefix cache)
     logprobs_mode: str = "raw"  # raw | processed
 
     @classmethod
@@ -60,6 +61,8 @@ class SamplingParams:
         need(-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         need(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        need(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+             f"prompt_logprobs must be an integer in [0, 20], got {self.prompt_logprobs!r}")
         need(self.logprobs_mode in ("raw", "processed"), f"logprobs_mode must be 'raw' or 'processed', got {self.logprobs_mode!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]

@@ -31,6 +31,7 @@ class Sequence:
         self.publishes_blocks = True  # False once the weights changed under its K/V (until recomputed)
         self.finish_reason: str | None = None
         self.logprobs: list = []  # sampler.TokenLogprob per output token, when asked for
+        self.prompt_logprobs: list = []  # sampler.TokenLogprob per prompt token after the first, when asked for
         self.seed = seed
         self._generator: torch.Generator | None = None
         self.output_counts: dict[int, int] = {}

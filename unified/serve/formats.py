@@ -38,6 +38,23 @@ def _token_text(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
+def _prompt_logprobs(entries: list[TokenLogprob | None], tokenizer) -> list[dict | None]:
+    """vLLM's shape: per prompt token, None for the first, else {token id: {logprob, rank, decoded_token}}
+    for the token itself and the top k."""
+    def described(token_id: int, logprob: float, rank: int | None) -> dict:
+        return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": _token_text(tokenizer, token_id)}
+
+    out: list[dict | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        found = {str(t): described(t, lp, rank) for rank, (t, lp) in enumerate(entry.top, start=1)}
+        found[str(entry.token_id)] = described(entry.token_id, entry.logprob, entry.rank)
+        out.append(found)
+    return out
+
+
 def _mean_logprob(output: CompletionOutput) -> float:
     values = [e.logprob for e in output.logprobs or ()]
     return sum(values) / len(values) if values else LOGPROB_FLOOR
@@ -65,18 +82,23 @@ class ResponseFormat:
         return outputs
 
     def response(self, finals: list[RequestOutput], tokenizer) -> dict:
-        choices = [self._with_token_ids(self.choice(p * self.n + i, output, tokenizer), final, output)
+        choices = [self._with_token_ids(self.choice(p * self.n + i, output, tokenizer), final, output, tokenizer)
                    for p, final in enumerate(finals) for i, output in enumerate(self.best(final))]
         answer = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
                   "choices": choices, "usage": usage(finals), "system_fingerprint": None}
-        if self.body.return_token_ids and len(finals) == 1:
-            answer["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+        if len(finals) == 1:  # chat's one prompt: what vLLM's chat answer carries at the top
+            if self.body.return_token_ids:
+                answer["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+            if finals[0].prompt_logprobs is not None and self.object == "chat.completion":
+                answer["prompt_logprobs"] = _prompt_logprobs(finals[0].prompt_logprobs, tokenizer)
         return answer
 
-    def _with_token_ids(self, choice: dict, final: RequestOutput, output: CompletionOutput) -> dict:
-        if not self.body.return_token_ids:
-            return choice
-        return {**choice, "prompt_token_ids": list(final.prompt_token_ids), "token_ids": list(output.token_ids)}
+    def _with_token_ids(self, choice: dict, final: RequestOutput, output: CompletionOutput, tokenizer) -> dict:
+        if self.body.return_token_ids:
+            choice.update(prompt_token_ids=list(final.prompt_token_ids), token_ids=list(output.token_ids))
+        if final.prompt_logprobs is not None and self.object == "text_completion":  # chat: at the top
+            choice["prompt_logprobs"] = _prompt_logprobs(final.prompt_logprobs, tokenizer)
+        return choice
 
     def _logprobs_of(self, output: CompletionOutput, tokenizer):
         return self.logprobs(output.logprobs, tokenizer) if self.wants_logprobs and output.logprobs is not None else None

@@ -173,14 +173,17 @@ class _Sampling(_Request):
     stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=64)
     return_token_ids: bool = Field(False, description="vLLM's: each choice also carries its prompt_token_ids and the "
                                                       "token_ids it generated (not with stream)")
+    prompt_logprobs: Int | None = Field(None, ge=0, le=20, description="vLLM's: the raw logprob and rank of each "
+                                        "prompt token after the first, plus the top k (not with stream)")
 
     def check_supported(self) -> None:
         if self.response_format is not None and self.response_format.type != "text":
             raise InvalidRequest(f"response_format {self.response_format.type!r} needs constrained decoding, which "
                                  f"this server does not have yet; send response_format {{\"type\": \"text\"}} "
                                  f"or leave it out, and ask for JSON in the prompt")
-        if self.return_token_ids and self.stream:
-            raise InvalidRequest("return_token_ids works without streaming only here; send stream: false")
+        if self.stream and (self.return_token_ids or self.prompt_logprobs is not None):
+            raise InvalidRequest("return_token_ids and prompt_logprobs work without streaming only here; send "
+                                 "stream: false")
 
     @property
     def samples(self) -> int:
@@ -193,7 +196,7 @@ class _Sampling(_Request):
                                 min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                 seed=self.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=self.stop_token_ids,
-                                ignore_eos=self.ignore_eos, logprobs=logprobs)
+                                ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs)
         params.validate()
         return params
 

@@ -85,9 +85,16 @@ class _Answer(BaseModel):
     model: str
 
 
+PromptLogprobs = list[dict[str, dict] | None]
+_PROMPT_LOGPROBS = ("with prompt_logprobs: per prompt token, null for the first, else {token id: {logprob, rank, "
+                    "decoded_token}} for the token and the top k")
+
+
 class ChatCompletion(_Answer):
     object: Literal["chat.completion"]
     choices: list[ChatChoice]
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids: the prompt as the model saw it")
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=_PROMPT_LOGPROBS)
     usage: Usage
     system_fingerprint: None
 
@@ -122,6 +129,7 @@ class CompletionLogprobs(BaseModel):
 
 class CompletionChoice(_TokenIds):
     index: int
+    prompt_logprobs: PromptLogprobs | None = Field(None, description=_PROMPT_LOGPROBS)
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: Literal["stop", "length", "abort"] | None
