@@ -118,6 +118,7 @@ class LLMEngine:
         self.weights_version = 0  # how many times update_weights replaced the weights
         self.update_groups = UpdateGroups(model, device)  # external trainers' weight-sync groups (weight_sync)
         self.sleep_level = 0  # sleep_mode: 0 awake, 1 KV cache and packed copies freed, 2 the weights too
+        self._pack_pending = False  # the weights changed: pack them again before the next step
         self.weights_missing = False  # woken from level 2: no weights until an update brings them
         self._dropped_shapes: dict = {}
         self._accelerator = accelerator
@@ -308,6 +309,11 @@ class LLMEngine:
         self.weights_missing = False
         return received
 
+    def _pack_now(self) -> None:
+        if self._pack_pending:
+            self.model.pack_weights()
+            self._pack_pending = False
+
     def _sleep(self, level: int) -> dict[str, int]:
         if self.sleep_level:
             return {}
@@ -325,8 +331,8 @@ class LLMEngine:
             restore_weights(self.model, self._dropped_shapes)
             self.weights_missing = True
         self.restore_kv_cache()
-        if self.cfg.packed_weights:
-            self.model.pack_weights()
+        self._pack_pending = self.cfg.packed_weights
+        self._pack_now()
         self.sleep_level = 0
 
     def _pooled(self, *errors: str | None) -> list[str]:
@@ -339,9 +345,14 @@ class LLMEngine:
         return [e for rank_errors in everyone for e in rank_errors]
 
     def _weights_changed(self) -> None:
-        """After the weights changed in place: fresh packed copies, no prefix cached with the old ones."""
-        if self.cfg.packed_weights and not self.sleep_level:  # asleep, waking packs them
-            self.model.pack_weights()  # the copies of the old weights are stale now (and ignored)
+        """After the weights changed in place: the packed copies of the old ones go (a receive straight into
+        the weights may not tell them they are stale) and new ones come before the next step, which the
+        driver takes only after the caller has its answer; no prefix stays cached with the old weights."""
+        if self.cfg.packed_weights:
+            self.model.unpack_weights()
+            self._pack_pending = True
+            if not self.is_driver and not self.sleep_level:  # a follower's next step may come at once
+                self._pack_now()
         self.blocks.reset_prefix_cache()
         self.runner.encoder_cache.clear()  # the vision tower may have changed too
         for request in self.requests.values():
@@ -443,6 +454,7 @@ class LLMEngine:
         """
         if not self.runner.cache.allocated:
             raise RuntimeError("the KV cache was released: restore_kv_cache() before stepping")
+        self._pack_now()
         batch = self.scheduler.schedule()
         outputs: dict[str, RequestOutput] = {}
         try:

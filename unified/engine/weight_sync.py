@@ -5,7 +5,9 @@ and engine rank i is `rank_offset + i`. They meet through the TCP store the trai
 master_address:master_port, with the group's keys under a prefix of its name, the way SGLang's
 `init_custom_process_group` builds its group, so a trainer written for SGLang joins unchanged. An
 update is a list of HF tensor names, dtypes and shapes; the trainer broadcasts each tensor from its
-rank 0 in that order, and every engine rank writes its own part of it (checkpoint.weight_stream).
+rank 0 in that order, and every engine rank writes its own part of it (checkpoint.weight_stream): straight
+into the weights where the whole tensor lies in them in one piece, else through a receive buffer kept
+for the next update.
 
 An update is checked on every rank before anything is written (names, dtypes, shapes); a bad one is
 still received in full, into scratch buffers, so the trainer's broadcasts never hang, and then refused
@@ -72,6 +74,7 @@ class UpdateGroups:
         self.model, self.device = model, device
         self.groups: dict[str, object] = {}
         self._stream: WeightStream | None = None
+        self._scratch: dict[tuple, torch.Tensor] = {}  # receive buffers by shape and dtype, kept between updates
 
     @property
     def stream(self) -> WeightStream:
@@ -117,10 +120,12 @@ class UpdateGroups:
         received = 0
         try:
             for name, dtype, shape in zip(spec.names, spec.dtypes, spec.shapes):
-                buffer = torch.empty(shape, dtype=parse_dtype(dtype) or torch.uint8, device=self.device)
+                dtype = parse_dtype(dtype) or torch.uint8
+                direct = None if problems else self.stream.in_place(name, shape, dtype)
+                buffer = direct if direct is not None else self._buffer(shape, dtype)
                 torch.distributed.broadcast(buffer, group_src=0, group=group)
                 received += buffer.numel() * buffer.element_size()
-                if not problems:
+                if direct is None and not problems:
                     self.stream.write(name, buffer)
         except (RuntimeError, ValueError) as err:  # the trainer stopped sending: a timeout, or it went away
             self.leave(spec.group_name)
@@ -132,6 +137,12 @@ class UpdateGroups:
             raise WeightSyncError("the update was received and dropped, the served weights are untouched: "
                                   + "; ".join(problems))
         return received
+
+    def _buffer(self, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        key = (tuple(shape), dtype)
+        if key not in self._scratch:
+            self._scratch[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        return self._scratch[key]
 
     def not_joined(self, name: str) -> str:
         known = f" (this server's groups: {', '.join(sorted(self.groups))})" if self.groups else ""
