@@ -24,17 +24,45 @@ from tests.serve.conftest import free_port
 BIN = Path(sys.executable).parent
 
 
-def launch(launcher: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def _launcher(launcher: str) -> list[str]:
     if launcher == "deepspeed":
-        command = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "unified"]
-    else:
-        command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "unified"]
+        return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "unified"]
+    return [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "unified"]
+
+
+LAUNCH_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{BIN}:{os.environ['PATH']}"}
+
+
+def launch(launcher: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as cwd:
-        result = subprocess.run([*command, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                                env={**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{BIN}:{os.environ['PATH']}"})
+        result = subprocess.run([*_launcher(launcher), *args], cwd=cwd, capture_output=True, text=True,
+                                timeout=timeout, env=LAUNCH_ENV)
         assert not os.listdir(cwd), f"the run cluttered its working directory: {os.listdir(cwd)}"
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     return result
+
+
+def start_server(launcher: str, *args: str):
+    """A two-rank server (recipe and model in `args`) on a free port: (its process, base URL, log file)."""
+    port, log = free_port(), tempfile.TemporaryFile(mode="w+")
+    server = subprocess.Popen([*_launcher(launcher), *args, f"port={port}"], stdout=log, stderr=subprocess.STDOUT,
+                              cwd=tempfile.mkdtemp(), env={**LAUNCH_ENV, "UNIFIED_API_KEY": ""})
+    return server, f"http://127.0.0.1:{port}", log
+
+
+def wait_until_ready(server: subprocess.Popen, base: str, timeout: float = 300) -> None:
+    """Until the launched server's /health answers 200; fails if it exits first or takes longer."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert server.poll() is None and time.monotonic() < deadline, "server did not come up"
+        try:
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
 
 
 @pytest.mark.parametrize("launcher,layout,family", [
@@ -101,31 +129,16 @@ def test_engine_agrees_across_layouts(tiny_mqa_checkpoint, tmp_path):
 def test_serving_on_two_ranks_reports_collectives_reloads_weights_and_stops_cleanly(
         tiny_mqa_checkpoint, smollm2_checkpoint, tmp_path, runtime):
     import signal
-    import time
 
     import httpx
 
     other = build_tiny_mqa_checkpoint(tmp_path / "tiny-mqa-seed-1", smollm2_checkpoint, seed=1)
-    port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")
-    server = subprocess.Popen(
-        [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "unified",
-         "recipe=serve", f"model={tiny_mqa_checkpoint}", f"port={port}", "parallel=tp2", "engine.num_blocks=64",
-         "serve.warm_up=false", "serve.allow_weight_reload=true"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tempfile.mkdtemp())
-    base = f"http://127.0.0.1:{port}"
+    server, base, log = start_server("torchrun", "recipe=serve", f"model={tiny_mqa_checkpoint}", "parallel=tp2",
+                                     "engine.num_blocks=64", "serve.warm_up=false", "serve.allow_weight_reload=true")
     request = {"model": tiny_mqa_checkpoint.name, "prompt": "Hello there", "max_tokens": 6, "ignore_eos": True,
                "temperature": 0}
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_until_ready(server, base)
         answer = httpx.post(base + "/v1/completions", timeout=60, json=request)
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 6
         metrics = httpx.get(base + "/metrics", timeout=10).text
@@ -155,28 +168,11 @@ def test_an_external_trainer_updates_a_tensor_parallel_rollout_server(smollm2_ch
     """recipe=rollout under deepspeed with parallel=tp2: both ranks join the trainer's update group and each
     writes its slice of every tensor the trainer broadcasts (tests/serve/external_trainer.py). Weights drawn
     narrow, so logprobs are of the size a trained model's are and fp32 rounding stays below the 1e-5 asked."""
-    import httpx
-
     checkpoint = build_tiny_chat_checkpoint(tmp_path / "tiny-chat", smollm2_checkpoint, init_std=0.02)
-    port = free_port()
-    log = tempfile.TemporaryFile(mode="w+")
-    server = subprocess.Popen(
-        [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "unified",
-         "recipe=rollout", f"model={checkpoint}", f"port={port}", "parallel=tp2", "engine.num_blocks=64",
-         "serve.warm_up=false"],
-        stdout=log, stderr=subprocess.STDOUT, cwd=tempfile.mkdtemp(),
-        env={**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{BIN}:{os.environ['PATH']}", "UNIFIED_API_KEY": ""})
-    base = f"http://127.0.0.1:{port}"
+    server, base, log = start_server("deepspeed", "recipe=rollout", f"model={checkpoint}", "parallel=tp2",
+                                     "engine.num_blocks=64", "serve.warm_up=false")
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_until_ready(server, base)
         trainer = Path(ROOT, "tests", "serve", "external_trainer.py")
         run = subprocess.run([sys.executable, str(trainer), "--url", base, "--model", str(checkpoint),
                               "--model-name", checkpoint.name, "--mode", "distributed", "--steps", "2",
