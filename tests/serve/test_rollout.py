@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -33,10 +34,10 @@ def rollout(narrow_chat):
         yield server
 
 
-def _greedy(server) -> dict:
+def _greedy(server, headers: dict | None = None) -> dict:
     answer = httpx.post(server.base_url + "/v1/completions", json={
         "model": server.model_name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 0,
-        "ignore_eos": True, "return_token_ids": True}, timeout=60)
+        "ignore_eos": True, "return_token_ids": True}, timeout=60, headers=headers)
     assert answer.status_code == 200, answer.text
     return answer.json()
 
@@ -123,11 +124,11 @@ def test_prompt_logprobs_score_every_prompt_token(rollout):
     assert all("prompt_logprobs" not in c for c in chat["choices"])
 
 
-def _post_in_background(url: str, body: dict) -> tuple[threading.Thread, list]:
+def _post_in_background(url: str, body: dict, headers: dict | None = None) -> tuple[threading.Thread, list]:
     result: list = []
 
     def send():
-        answer = httpx.post(url, json=body, timeout=120)
+        answer = httpx.post(url, json=body, timeout=120, headers=headers)
         result.append((answer.status_code, answer.json()))
 
     thread = threading.Thread(target=send)
@@ -192,3 +193,22 @@ def test_sleep_gives_the_kv_cache_back_and_waking_serves_alike(tiny_chat_checkpo
         assert _greedy(server)["choices"][0] == original
         assert httpx.post(url + "/sleep?level=3").status_code == 400
         assert server.metric("unified_asleep_seconds_total") > 0
+
+
+def test_sleep_lets_requests_in_flight_run_out_their_time_then_ends_them(tiny_chat_checkpoint):
+    """Under an API key, which the rollout endpoints ask for as /v1/* does."""
+    with ready(ServerProcess(tiny_chat_checkpoint, *TINY_SERVER_OPTIONS, "serve.shutdown_timeout_s=0.3",
+                             env={"UNIFIED_API_KEY": "secret"}, recipe="rollout")) as server:
+        url, key = server.base_url, {"Authorization": "Bearer secret"}
+        busy = {"model": server.model_name, "prompt": [PROMPT] * 64, "n": 4, "max_tokens": 64, "ignore_eos": True}
+        thread, result = _post_in_background(url + "/v1/completions", busy, key)
+        while not result and server.metric("unified_num_requests_running") == 0:
+            time.sleep(0.02)  # until the engine runs it
+        assert httpx.post(url + "/sleep").status_code == 401
+        asleep = httpx.post(url + "/sleep", timeout=60, headers=key).json()
+        thread.join()
+        assert asleep["success"], asleep
+        status, answer = result[0]
+        assert status == 503 and "went to sleep" in answer["error"]["message"], answer
+        assert httpx.post(url + "/wake_up", headers=key).json()["success"]
+        assert _greedy(server, key)["choices"][0]["finish_reason"] == "length"
