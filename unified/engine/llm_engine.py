@@ -26,9 +26,7 @@ from unified.engine.sampler import TokenLogprob, prompt_logprob_entry, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
-from unified.engine.sleep_mode import EngineBusy, Sleep, WakeUp, drop_weights, give_memory_back, restore_weights
-from unified.engine.weight_sync import (JoinUpdateGroup, LeaveUpdateGroup, ReceiveWeights, UpdateGroups,
-                                       WeightSyncError, check_join)
+from unified.engine.trainer_link import COMMANDS as TRAINER_COMMANDS, TrainerLink
 from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
 from unified.errors import UserError
 from unified.kernels import cpu_ops
@@ -116,12 +114,8 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.weights_version = 0  # how many times update_weights replaced the weights
-        self.update_groups = UpdateGroups(model, device)  # external trainers' weight-sync groups (weight_sync)
-        self.sleep_level = 0  # sleep_mode: 0 awake, 1 KV cache and packed copies freed, 2 the weights too
         self._pack_pending = False  # the weights changed: pack them again before the next step
-        self.weights_missing = False  # woken from level 2: no weights until an update brings them
-        self._dropped_shapes: dict = {}
-        self._accelerator = accelerator
+        self.link = TrainerLink(self)  # an external RL trainer's weight updates and sleep mode
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d bytes/token)", num_blocks,
                  engine_cfg.block_size, num_blocks * engine_cfg.block_size, cache.total_bytes / 2 ** 20,
@@ -205,11 +199,8 @@ class LLMEngine:
         self.runner.follow(self._follow_command)
 
     def _follow_command(self, command) -> None:
-        if isinstance(command, (JoinUpdateGroup, ReceiveWeights, LeaveUpdateGroup, Sleep, WakeUp)):
-            try:
-                self._weight_sync(command)
-            except WeightSyncError as err:
-                log.warning("weight sync: %s", err)
+        if isinstance(command, TRAINER_COMMANDS):
+            self.link.follow(command)
             return
         try:
             staged, error = stage_weights(command.path, self.model, self.dtype), None
@@ -228,7 +219,7 @@ class LLMEngine:
         updates in vLLM do); the prefix cache is emptied and those requests publish no more blocks to it,
         so no request admitted after the swap reuses K/V of the old weights. If any rank cannot stage
         its shard, no rank swaps and WeightMismatch says why."""
-        self._check_weights_present()
+        self.link.check_weights_present()
         if self.runner.distributed:
             self.runner.command(UpdateWeights(str(path)))
         self._swap_weights(staged, None)
@@ -242,116 +233,28 @@ class LLMEngine:
             if failed:
                 raise WeightMismatch(f"the served weights were kept: {'; '.join(failed)}")
         copy_weights(self.model, staged)
-        self._weights_changed()
-        self.weights_missing = False
+        self.weights_changed()
 
-    # Weights pushed by an external trainer (SGLang's protocol; see weight_sync) ---------------------------
-
-    def join_update_group(self, spec: JoinUpdateGroup) -> None:
-        """Driver, between steps: every rank joins the trainer's update group (or none does)."""
-        check_join(spec, self.runner.group_size)
-        self._drive(spec)
-
-    def receive_weights(self, spec: ReceiveWeights) -> int:
-        """Driver, between steps: every rank receives the update's tensors from the trainer and writes its
-        part; returns the bytes received. All or nothing: a bad name, dtype or shape on any rank leaves
-        every rank's weights untouched (WeightSyncError)."""
-        self._check_weights_present()
-        return self._drive(spec)
-
-    def _check_weights_present(self) -> None:
-        if self.sleep_level >= 2:
-            raise WeightSyncError("the weights were freed by sleep level 2; wake the engine up first, then send them")
-
-    def leave_update_group(self, name: str) -> None:
-        if name not in self.update_groups.groups:
-            raise WeightSyncError(self.update_groups.not_joined(name))
-        self._drive(LeaveUpdateGroup(name))
-
-    def sleep(self, level: int) -> dict[str, int]:
-        """Driver, with no request in flight: frees memory on every rank (see sleep_mode); returns the
-        bytes this rank freed, by kind."""
-        if self.requests:
-            raise EngineBusy(f"{len(self.requests)} requests are still in flight; finish or abort them first")
-        return self._drive(Sleep(level))
-
-    def wake_up(self) -> None:
-        self._drive(WakeUp())
-
-    def _drive(self, command):
-        if self.runner.distributed:
-            self.runner.command(command)
-        return self._weight_sync(command)
-
-    def _weight_sync(self, command):
-        """On every rank: one weight-sync command, with the ranks' errors pooled so that all act alike."""
-        groups = self.update_groups
-        if isinstance(command, Sleep):
-            return self._sleep(command.level)
-        if isinstance(command, WakeUp):
-            return self._wake_up()
-        if isinstance(command, LeaveUpdateGroup):
-            return groups.leave(command.group_name)
-        if isinstance(command, JoinUpdateGroup):
-            error = None
-            try:
-                groups.join(command, self.runner.group_rank)
-            except WeightSyncError as err:
-                error = str(err)
-            errors = self._pooled(error)
-            if errors:
-                groups.leave(command.group_name)
-                raise WeightSyncError("; ".join(errors))
-            return None
-        problems = self._pooled(*groups.stream.problems(command.names, command.dtypes, command.shapes))
-        received = groups.receive(command, sorted(set(problems)))
-        self._weights_changed()
-        self.weights_missing = False
-        return received
+    def repack_weights(self) -> None:
+        """Packed copies of the current weights, now (no-op without engine.packed_weights)."""
+        self._pack_pending = self.cfg.packed_weights
+        self._pack_now()
 
     def _pack_now(self) -> None:
         if self._pack_pending:
             self.model.pack_weights()
             self._pack_pending = False
 
-    def _sleep(self, level: int) -> dict[str, int]:
-        if self.sleep_level:
-            return {}
-        freed = {"kv_cache_bytes": self.release_kv_cache(), "packed_weight_bytes": self.model.unpack_weights()}
-        if level >= 2:
-            self._dropped_shapes, freed["weight_bytes"] = drop_weights(self.model)
-        give_memory_back(self.device, self._accelerator)
-        self.sleep_level = level
-        return freed
-
-    def _wake_up(self) -> None:
-        if not self.sleep_level:
-            return
-        if self.sleep_level >= 2:
-            restore_weights(self.model, self._dropped_shapes)
-            self.weights_missing = True
-        self.restore_kv_cache()
-        self._pack_pending = self.cfg.packed_weights
-        self._pack_now()
-        self.sleep_level = 0
-
-    def _pooled(self, *errors: str | None) -> list[str]:
-        """Every rank's errors (one call on every rank of the engine)."""
-        mine = [e for e in errors if e]
-        if not self.runner.distributed:
-            return mine
-        everyone: list = [None] * self.runner.group_size
-        torch.distributed.all_gather_object(everyone, mine, group=self.runner.group)
-        return [e for rank_errors in everyone for e in rank_errors]
-
-    def _weights_changed(self) -> None:
-        """After the weights changed in place: the packed copies of the old ones go (a receive straight into
-        the weights may not tell them they are stale) and new ones come before the next step, which the
-        driver takes only after the caller has its answer; no prefix stays cached with the old weights."""
+    def weights_changed(self) -> None:
+        """After the weights changed in place (all of them): the packed copies of the old ones go (a receive
+        straight into the weights may not tell them they are stale) and new ones come before the next step,
+        which the driver takes only after the caller has its answer; no prefix stays cached with the old
+        weights."""
+        self.link.weights_missing = False
         if self.cfg.packed_weights:
             self.model.unpack_weights()
             self._pack_pending = True
-            if not self.is_driver and not self.sleep_level:  # a follower's next step may come at once
+            if not self.is_driver and not self.link.sleep_level:  # a follower's next step may come at once
                 self._pack_now()
         self.blocks.reset_prefix_cache()
         self.runner.encoder_cache.clear()  # the vision tower may have changed too

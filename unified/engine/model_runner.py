@@ -53,7 +53,7 @@ class ModelRunner:
         self.prefetches = getattr(model.config, "vision", None) is not None and (
             on_accelerator if prefetch_images is None else prefetch_images)
         self.side_stream = accelerator.Stream() if self.prefetches and on_accelerator else None
-        self._accelerator = accelerator
+        self.accelerator = accelerator
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple:
         block_size = self.cache.block_size
@@ -117,7 +117,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _image_embeds(self, image_rows: list[tuple]) -> torch.Tensor:
         if self.side_stream is not None:  # rows prefetched on the side stream must be complete
-            current = self._accelerator.current_stream()
+            current = self.accelerator.current_stream()
             current.wait_stream(self.side_stream)
         try:
             found = self.encoder_cache.embeddings(self._encode, [span for _, span, _, _ in image_rows])
@@ -162,8 +162,8 @@ class ModelRunner:
             if self.side_stream is None:
                 self.encoder_cache.embeddings(self._encode, todo)
                 return
-            self.side_stream.wait_stream(self._accelerator.current_stream())
-            with self._accelerator.stream(self.side_stream):
+            self.side_stream.wait_stream(self.accelerator.current_stream())
+            with self.accelerator.stream(self.side_stream):
                 self.encoder_cache.embeddings(self._encode, todo)
         except Exception:  # noqa: BLE001 - best effort: the step that needs these images finds whose they were
             log.debug("prefetching %d images failed; their step encodes them again", len(todo), exc_info=True)

@@ -54,7 +54,7 @@ class ServerState:
         if generating and self.sleeping:
             raise APIError("the server is asleep (POST /sleep) while its trainer uses the memory; POST /wake_up "
                            "first", status=503, type="server_unavailable", code="sleeping")
-        if generating and loop.engine.weights_missing:
+        if generating and loop.engine.link.weights_missing:
             raise APIError("the server has no weights: sleep level 2 freed them; send them with "
                            "POST /update_weights_from_distributed or /update_weights_from_disk", status=503,
                            type="server_unavailable", code="no_weights")

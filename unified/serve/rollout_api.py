@@ -113,7 +113,7 @@ async def init_weights_update_group(body: InitGroupRequest, request: Request):
     spec = JoinUpdateGroup(body.master_address, body.master_port, body.rank_offset, body.world_size,
                            body.group_name, body.backend, server.limits.weight_update_timeout_s)
     try:
-        await loop.between_steps(lambda: loop.engine.join_update_group(spec))
+        await loop.between_steps(lambda: loop.engine.link.join_update_group(spec))
     except WeightSyncError as err:
         return _refused(str(err))
     return _ok(f"joined the update group {body.group_name!r} ({body.world_size} ranks)")
@@ -129,7 +129,7 @@ async def update_weights_from_distributed(body: UpdateFromDistributedRequest, re
     async with server.reloading:
         started = time.perf_counter()
         try:
-            received = await loop.between_steps(lambda: loop.engine.receive_weights(spec))
+            received = await loop.between_steps(lambda: loop.engine.link.receive_weights(spec))
         except WeightSyncError as err:
             return _refused(f"{err} (serving weight version {server.weight_version})")
         version = await _weights_changed(server, started, received, body.weight_version)
@@ -140,7 +140,7 @@ async def update_weights_from_distributed(body: UpdateFromDistributedRequest, re
 async def destroy_weights_update_group(body: DestroyGroupRequest, request: Request):
     loop = request.app.state.server.require_ready(generating=False)
     try:
-        await loop.between_steps(lambda: loop.engine.leave_update_group(body.group_name))
+        await loop.between_steps(lambda: loop.engine.link.leave_update_group(body.group_name))
     except WeightSyncError as err:
         return _refused(str(err))
     return _ok(f"left the update group {body.group_name!r}")
@@ -175,7 +175,7 @@ async def sleep(request: Request, level: int = 1):
         log.warning("going to sleep: ending %d requests still in flight", loop.num_in_flight)
         loop.cancel_all("the server went to sleep (POST /sleep) before this request finished; retry after it wakes up")
     try:
-        freed = await loop.between_steps(lambda: loop.engine.sleep(level))
+        freed = await loop.between_steps(lambda: loop.engine.link.sleep(level))
     except EngineBusy as err:  # a request slipped in before the flag was seen: stay awake
         server.sleeping = False
         return _refused(f"could not go to sleep: {err}", status=409, code="busy")
@@ -190,11 +190,11 @@ async def wake_up(request: Request):
     loop = server.require_ready(generating=False)
     if not server.sleeping:
         return _ok("already awake")
-    await loop.between_steps(loop.engine.wake_up)
+    await loop.between_steps(loop.engine.link.wake_up)
     server.metrics.asleep_seconds.inc(time.monotonic() - server.asleep_since)
     server.sleeping = False
     return _ok("awake" + ("; send the weights before generating (sleep level 2 freed them)"
-                          if loop.engine.weights_missing else ""))
+                          if loop.engine.link.weights_missing else ""))
 
 
 @router.get("/is_sleeping")
