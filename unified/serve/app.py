@@ -60,6 +60,12 @@ class ServerState:
                            type="server_unavailable", code="no_weights")
         return loop
 
+    def weights_replaced(self, version: str) -> str:
+        """Names the policy now served (`version`) where clients and /metrics see it."""
+        self.weight_version = version
+        self.metrics.weight_version.info({"version": version})
+        return version
+
     def check_model(self, name: str) -> None:
         if name != self.model_name:
             raise APIError(f"the model {name!r} does not exist here; this server serves {self.model_name!r} "

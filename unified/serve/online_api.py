@@ -42,6 +42,18 @@ async def feedback(body: FeedbackRequest, request: Request):
             "created": record["created"]}
 
 
+async def load_checkpoint(server, loop, path: str) -> int:
+    """Stages the checkpoint at `path` off the event loop, has the engine loop swap it in between two steps
+    and counts it in the metrics; returns the new weights version (UserError, old weights kept, if it cannot).
+    The caller holds `server.reloading`."""
+    engine, started = loop.engine, time.perf_counter()
+    staged = await asyncio.to_thread(stage_weights, path, engine.model, engine.dtype)
+    version = await loop.update_weights(path, staged)
+    server.metrics.weight_updated(sum(t.numel() * t.element_size() for t in staged.values()),
+                                  time.perf_counter() - started, version)
+    return version
+
+
 @router.post("/v1/admin/reload_weights", responses=documented(WeightsReloaded, 400, 401, 403, 409, 413, 503))
 async def reload_weights(body: ReloadWeightsRequest, request: Request):
     server = request.app.state.server
@@ -53,15 +65,11 @@ async def reload_weights(body: ReloadWeightsRequest, request: Request):
         raise APIError("another weight reload is in progress; retry when it has answered", status=409,
                        code="reload_in_progress")
     async with server.reloading:
-        engine, started = loop.engine, time.perf_counter()
         try:
-            staged = await asyncio.to_thread(stage_weights, body.path, engine.model, engine.dtype)
-            version = await loop.update_weights(body.path, staged)
+            version = await load_checkpoint(server, loop, body.path)
         except UserError as err:
-            raise APIError(f"{err} (still serving weights version {engine.weights_version})", param="path",
+            raise APIError(f"{err} (still serving weights version {loop.engine.weights_version})", param="path",
                            code="weights_not_loaded") from None
-    server.weight_version = str(version)
-    server.metrics.weight_updated(sum(t.numel() * t.element_size() for t in staged.values()),
-                                  time.perf_counter() - started, version)
+    server.weights_replaced(str(version))
     log.info("now serving weights version %d from %s", version, body.path)
     return {"object": "weights", "reloaded": body.path, "weights_version": version}

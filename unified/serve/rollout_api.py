@@ -27,9 +27,9 @@ from pydantic import ConfigDict, Field
 
 from unified.engine.sleep_mode import EngineBusy
 from unified.engine.weight_sync import JoinUpdateGroup, ReceiveWeights, WeightSyncError
-from unified.engine.weight_update import stage_weights
 from unified.errors import UserError
 from unified.serve.errors import APIError
+from unified.serve.online_api import load_checkpoint
 from unified.serve.protocol import _Request
 
 log = logging.getLogger(__name__)
@@ -81,27 +81,16 @@ def _ok(message: str, **extra) -> dict:
     return {"success": True, "message": message, **extra}
 
 
-async def _weights_changed(server, started: float, received: int, version: str | None) -> str:
-    engine = server.startup.loop.engine
-    server.weight_version = version if version is not None else str(engine.weights_version)
-    server.metrics.weight_updated(received, time.perf_counter() - started, engine.weights_version)
-    server.metrics.weight_version.info({"version": server.weight_version})
-    return server.weight_version
-
-
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(body: UpdateFromDiskRequest, request: Request):
     server = request.app.state.server
     loop = server.require_ready(generating=False)
     async with server.reloading:
-        engine, started = loop.engine, time.perf_counter()
         try:
-            staged = await asyncio.to_thread(stage_weights, body.model_path, engine.model, engine.dtype)
-            await loop.update_weights(body.model_path, staged)
+            count = await load_checkpoint(server, loop, body.model_path)
         except UserError as err:
             return _refused(f"{err} (still serving weight version {server.weight_version})")
-        received = sum(t.numel() * t.element_size() for t in staged.values())
-        version = await _weights_changed(server, started, received, body.weight_version)
+        version = server.weights_replaced(str(count) if body.weight_version is None else body.weight_version)
     log.info("now serving weight version %s from %s", version, body.model_path)
     return _ok(f"serving the weights of {body.model_path}", weight_version=version)
 
@@ -132,7 +121,9 @@ async def update_weights_from_distributed(body: UpdateFromDistributedRequest, re
             received = await loop.between_steps(lambda: loop.engine.link.receive_weights(spec))
         except WeightSyncError as err:
             return _refused(f"{err} (serving weight version {server.weight_version})")
-        version = await _weights_changed(server, started, received, body.weight_version)
+        count = loop.engine.weights_version
+        server.metrics.weight_updated(received, time.perf_counter() - started, count)
+        version = server.weights_replaced(str(count) if body.weight_version is None else body.weight_version)
     return _ok(f"updated {len(body.names)} tensors ({received} bytes)", weight_version=version)
 
 
