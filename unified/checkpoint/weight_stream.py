@@ -85,7 +85,8 @@ class WeightStream:
 
     def in_place(self, name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor | None:
         """Where the whole tensor `name` lies in this rank's parameters as one contiguous piece (no tensor or
-        expert split, fused along rows or not fused), so a receiver can take it there directly; else None."""
+        expert split; not fused, or fused along its first dimension), so a receiver can take it there directly;
+        else None."""
         located = self._locate(name)
         if located is None:
             return None
@@ -94,7 +95,7 @@ class WeightStream:
             whole = row if len(slot.param.rows) == row.shape[0] else None
         else:
             split = slot.param.split is not None and _tp_rank_size()[1] > 1
-            whole = row.narrow(0, offset, local) if not split and slot.param.cat_dim == 0 else None
+            whole = None if split else row.narrow(slot.param.cat_dim, offset, local)  # contiguous: checked below
         if whole is None or tuple(whole.shape) != tuple(shape) or whole.dtype != dtype or not whole.is_contiguous():
             return None
         return whole.detach()
