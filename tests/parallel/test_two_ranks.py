@@ -24,18 +24,19 @@ from tests.serve.conftest import free_port
 BIN = Path(sys.executable).parent
 
 
-def _launcher(launcher: str) -> list[str]:
+def _launcher(launcher: str, ranks: int = 2) -> list[str]:
     if launcher == "deepspeed":
-        return [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()), "--module", "unified"]
-    return [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()), "-m", "unified"]
+        return [str(BIN / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port()), "--module",
+                "unified"]
+    return [str(BIN / "torchrun"), "--nproc_per_node", str(ranks), "--master_port", str(free_port()), "-m", "unified"]
 
 
 LAUNCH_ENV = {**os.environ, "PYTHONPATH": str(ROOT), "PATH": f"{BIN}:{os.environ['PATH']}"}
 
 
-def launch(launcher: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def launch(launcher: str, *args: str, timeout: float = 600, ranks: int = 2) -> subprocess.CompletedProcess:
     with tempfile.TemporaryDirectory() as cwd:
-        result = subprocess.run([*_launcher(launcher), *args], cwd=cwd, capture_output=True, text=True,
+        result = subprocess.run([*_launcher(launcher, ranks), *args], cwd=cwd, capture_output=True, text=True,
                                 timeout=timeout, env=LAUNCH_ENV)
         assert not os.listdir(cwd), f"the run cluttered its working directory: {os.listdir(cwd)}"
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]

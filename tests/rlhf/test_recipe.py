@@ -65,6 +65,20 @@ def test_bad_runs_are_named_before_anything_loads(tmp_path, options, words):
         _prompt_records(cfg)
 
 
+def test_more_trainer_ranks_than_prompt_groups_is_named(tmp_path, monkeypatch):
+    from omegaconf import OmegaConf
+
+    from unified.config.schema import RunConfig
+    from unified.errors import UserError
+    from unified.rlhf.run import _check_run
+
+    monkeypatch.setenv("WORLD_SIZE", "8")  # a launch of 8 ranks: 4 trainer ranks by default
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {"job": "grpo", "output": str(tmp_path)},
+                          OmegaConf.from_dotlist(["rlhf.mode=separate", "rlhf.prompts_per_step=2"]))
+    with pytest.raises(UserError, match=re.escape("rlhf.prompts_per_step=2 leaves some of the 4 trainer ranks")):
+        _check_run(cfg)
+
+
 def test_ppo_saves_its_value_head_beside_a_servable_model(tiny_chat_checkpoint, tmp_path):
     from safetensors.torch import load_file
 

@@ -1,5 +1,6 @@
-"""rlhf.mode=separate on two CPU ranks (one trainer, one rollout rank) takes the very step colocated mode takes,
-with the weights moving to the rollout rank by broadcast after each update."""
+"""rlhf.mode=separate takes the very step colocated mode takes: on two CPU ranks (one trainer, one rollout rank),
+and on three (by default two data-parallel trainer ranks, each on half of the prompt groups, and one rollout
+rank), with the weights moving to the rollout rank by broadcast after each update."""
 from __future__ import annotations
 
 import json
@@ -17,14 +18,20 @@ def test_separate_mode_takes_the_same_first_step_as_colocated(tiny_chat_checkpoi
     data.write_text("\n".join(json.dumps({"prompt": f"Count to {n}."}) for n in range(4)))
     common = (f"model={tiny_chat_checkpoint}", f"data={data}", "rlhf.reward=tests.rlhf.rewards_for_tests:even_tokens",
               "steps=1", "rlhf.prompts_per_step=2", "rlhf.max_tokens=8", "train.lr=1e-2", "train.wandb=disabled")
-    colocated, separate = tmp_path / "colocated", tmp_path / "separate"
+    colocated = tmp_path / "colocated"
     result = run_cli("recipe=grpo", *common, f"output={colocated}")
     assert result.returncode == 0, result.stderr[-3000:]
-    launch("deepspeed", "recipe=grpo", *common, f"output={separate}", "rlhf.mode=separate")
-    want, got = load_file(colocated / ADAPTER), load_file(separate / ADAPTER)
-    assert want.keys() == got.keys()
-    assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-5
+    want = load_file(colocated / ADAPTER)
     assert max(want[k].abs().max().item() for k in want if "lora_B" in k) > 0  # the step did change the adapters
-    step = json.loads((separate / "metrics.jsonl").read_text().splitlines()[-1])
-    assert step["sampling/sampling_logp_difference/mean"] <= 1e-5
-    assert step["sync/bytes"] > 0 and step["reward_std"] > 0
+    first = json.loads((colocated / "metrics.jsonl").read_text().splitlines()[-1])
+    for ranks in (2, 3):
+        separate = tmp_path / f"separate-{ranks}"
+        launch("deepspeed", "recipe=grpo", *common, f"output={separate}", "rlhf.mode=separate", ranks=ranks)
+        got = load_file(separate / ADAPTER)
+        assert want.keys() == got.keys()
+        assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-5, ranks
+        step = json.loads((separate / "metrics.jsonl").read_text().splitlines()[-1])
+        assert step["sampling/sampling_logp_difference/mean"] <= 1e-5
+        assert step["sync/bytes"] > 0 and step["reward_std"] > 0
+        for name in ("reward", "kl", "entropy", "completions/mean_length"):  # of the whole batch, pooled
+            assert abs(step[name] - first[name]) <= 1e-5, (ranks, name, step[name], first[name])

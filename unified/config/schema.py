@@ -129,8 +129,9 @@ class TrainConfig:
 @dataclass
 class RLHFConfig:
     algorithm: str = "grpo"  # grpo | ppo (set by the recipe's rlhf config group)
-    # colocated: every rank trains and rolls out on the same modules; separate: the last `rollout_ranks`
-    # ranks (default half the world) roll out on their own copy, synced after each update in buckets
+    # colocated: one rank trains and rolls out on the same modules; separate: the last `rollout_ranks`
+    # ranks (default half the world) roll out on their own copy, synced after each update in buckets, and
+    # the others train data-parallel, each on its share of the step's prompt groups
     mode: str = "colocated"
     rollout_ranks: Optional[int] = None
     sync_bucket_mb: int = 256

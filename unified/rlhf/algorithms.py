@@ -81,11 +81,12 @@ class PolicyObjective(nn.Module):
         super().__init__()
         self.model, self.cfg, self.value_head = model, cfg, value_head
 
-    def forward(self, batch: TokenBatch, old_logp, advantages, ref_logp, old_values=None,
-                returns=None) -> tuple[torch.Tensor, PolicyLossStats, CompletionForward]:
+    def forward(self, batch: TokenBatch, old_logp, advantages, ref_logp, old_values=None, returns=None,
+                weights: tuple[float, float] | None = None) -> tuple[torch.Tensor, PolicyLossStats, CompletionForward]:
         """`old_logp` None: this forward is the policy that sampled (a batch's first update), so its own
-        log-probabilities, detached, are the old ones. Returns the loss, its statistics, and this forward's
-        log-probabilities and entropies (detached)."""
+        log-probabilities, detached, are the old ones. `weights` scale the policy and value losses (a
+        data-parallel trainer rank's share of the batch, see `share_weights`). Returns the loss, its
+        statistics, and this forward's log-probabilities and entropies (detached)."""
         cfg, mask = self.cfg, batch.mask
         out = completion_forward(self.model, batch, self.value_head, entropy=old_logp is None)
         if old_logp is None:
@@ -95,10 +96,12 @@ class PolicyObjective(nn.Module):
                                   clip_high=cfg.clip_high, ref_logp=ref_logp, kl_coef=kl_in_loss,
                                   kl_estimator=cfg.kl_estimator, level=cfg.loss_level, sampling_logp=batch.sampling_logprobs,
                                   tis_cap=cfg.tis_cap)
+        if weights is not None:
+            loss = loss * weights[0]
         if self.value_head is not None:
             critic = value_loss(out.values, old_values, returns, mask, cfg.value_clip)
-            loss = loss + cfg.vf_coef * critic
             stats.value_loss = float(critic.detach())
+            loss = loss + cfg.vf_coef * (critic if weights is None else critic * weights[1])
         return loss, stats, CompletionForward(out.logp.detach(), out.entropy, None)
 
 
@@ -114,6 +117,17 @@ def score_rollouts(reward: RewardFn, prompts: list[Prompt], rollouts: list[Rollo
     fields = {key: [prompts[r.group].fields[key] for r in rollouts] for key in prompts[0].fields}
     fields["completion_ids"] = [r.completion_ids for r in rollouts]
     return score(reward, [prompts[r.group].text for r in rollouts], [r.text for r in rollouts], fields)
+
+
+def share_weights(share, mine: list[Rollout], everyone: list[Rollout], level: str) -> tuple[float, float] | None:
+    """What one of `share.count` data-parallel trainer ranks scales its policy and value losses by, so that
+    its losses (means over its own completions `mine`) average over the ranks to the losses of the whole
+    batch `everyone`: the ranks' averaged gradients are then the whole batch's. None with one trainer."""
+    if share.count == 1:
+        return None
+    tokens = sum(len(r.completion_ids) for r in mine) / max(1, sum(len(r.completion_ids) for r in everyone))
+    policy = tokens if level == "token" else len(mine) / len(everyone)
+    return share.count * policy, share.count * tokens
 
 
 def rollout_seed(seed: int, step: int, prompts: int, num_generations: int) -> int:
@@ -144,6 +158,7 @@ class GRPO:
         self.reference = None if self.lora else _frozen(reference)
         self.seed = seed
         self.steps = 0
+        self.share = rollouts.share  # which completions this trainer rank trains on
 
     def reference_logprobs(self, batch: TokenBatch) -> torch.Tensor:
         if self.reference is not None:
@@ -156,9 +171,10 @@ class GRPO:
         return Advantages(group_advantages(rewards, self.cfg.num_generations, self.cfg.scale_rewards))
 
     def _gate(self, trainer_logp: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
-        """|trainer - engine| log-probability of each sampled token; stops the run past rlhf.max_logprob_diff."""
+        """|trainer - engine| log-probability of each sampled token; stops the run past rlhf.max_logprob_diff
+        (on every trainer rank alike: the largest of their means decides)."""
         gap = (trainer_logp - batch.sampling_logprobs).abs() * batch.mask
-        gap_mean = float(gap.sum() / batch.mask.sum().clamp(min=1))
+        gap_mean, = self.share.pooled([float(gap.sum() / batch.mask.sum().clamp(min=1))], "max")
         if gap_mean > self.cfg.max_logprob_diff:
             raise UserError(f"the engine's log-probabilities differ from the trainer's by {gap_mean:.3g} on average "
                             f"(rlhf.max_logprob_diff={self.cfg.max_logprob_diff}): the rollouts did not come from "
@@ -173,7 +189,10 @@ class GRPO:
                                           rollout_seed(self.seed, self.steps, len(prompts), G))
         released = self.rollouts.release()
         rollout_s = time.perf_counter() - started
-        rewards = torch.tensor(score_rollouts(self.reward, prompts, rollouts), device=device)
+        all_rewards = torch.tensor(score_rollouts(self.reward, prompts, rollouts), device=device)
+        everyone, rollouts = rollouts, [r for r in rollouts if self.share.holds(r.group)]  # whole groups
+        rewards = all_rewards[[i for i, r in enumerate(everyone) if self.share.holds(r.group)]]
+        weights = share_weights(self.share, rollouts, everyone, cfg.loss_level)
         batch = TokenBatch.of(rollouts, device, cfg.pack_tokens)
         train_started = time.perf_counter()
         kl_trains = cfg.kl_coef > 0  # else the reference only serves the reported KL: a share of the rows will do
@@ -186,7 +205,7 @@ class GRPO:
         old_logp = None if old is None else old.logp
         for update in range(cfg.updates_per_batch):
             loss, stats, now = self.trainer(batch, old_logp, estimate.advantages, ref_logp if kl_trains else None,
-                                            None if old is None else old.values, estimate.returns)
+                                            None if old is None else old.values, estimate.returns, weights)
             if update == 0:
                 old_logp, entropy = (now.logp, now.entropy) if old is None else (old.logp, old.entropy)
                 gap = self._gate(old_logp, batch)  # before the first optimizer step
@@ -201,22 +220,26 @@ class GRPO:
         synced = self.rollouts.weights_changed()
         sync_s = time.perf_counter() - sync_started
         self.steps += 1
-        lengths = batch.mask.sum(dim=1)
+        lengths = torch.tensor([float(len(r.completion_ids)) for r in everyone])
         tokens = float(lengths.sum())
-        metrics = {"reward": float(rewards.mean()), "reward_std": float(rewards.std()) if len(rewards) > 1 else 0.0,
-                   "loss": float(loss.detach()), "kl": stats.kl, "clip_ratio": stats.clip_ratio,
-                   "entropy": float(masked_mean(entropy, batch.mask)),
+        # what each trainer rank measured on its own share, averaged over them (the largest gap: the largest)
+        own = {"loss": float(loss.detach()), "kl": stats.kl, "clip_ratio": stats.clip_ratio,
+               "entropy": float(masked_mean(entropy, batch.mask)),
+               "sampling/sampling_logp_difference/mean": float(gap.sum() / batch.mask.sum().clamp(min=1)),
+               "sampling/importance_sampling_ratio/mean": stats.importance_ratio}
+        if stats.value_loss is not None:
+            own.update({"value_loss": stats.value_loss, "values/mean": float(masked_mean(old.values, batch.mask))})
+        own = dict(zip(own, self.share.pooled(list(own.values()))))
+        gap_max, = self.share.pooled([float(gap.max())], "max")
+        metrics = {"reward": float(all_rewards.mean()),
+                   "reward_std": float(all_rewards.std()) if len(all_rewards) > 1 else 0.0, **own,
                    "completions/mean_length": float(lengths.mean()),
-                   "completions/clipped_ratio": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
-                   "sampling/sampling_logp_difference/mean": float(gap.sum() / batch.mask.sum().clamp(min=1)),
-                   "sampling/sampling_logp_difference/max": float(gap.max()),
-                   "sampling/importance_sampling_ratio/mean": stats.importance_ratio,
+                   "completions/clipped_ratio": sum(r.finish_reason == "length" for r in everyone) / len(everyone),
+                   "sampling/sampling_logp_difference/max": gap_max,
                    "timing/rollout_s": rollout_s, "timing/train_s": train_s, "timing/sync_s": sync_s,
                    "rollout_tok_s": tokens / rollout_s, "train_tok_s": tokens * cfg.updates_per_batch / train_s,
                    "memory/kv_cache_released_bytes": released}
         metrics.update(synced)
-        if stats.value_loss is not None:
-            metrics.update({"value_loss": stats.value_loss, "values/mean": float(masked_mean(old.values, batch.mask))})
         return metrics
 
 
@@ -231,9 +254,11 @@ class PPO(GRPO):
         if cfg.kl_coef:
             token_rewards = token_rewards - cfg.kl_coef * kl_estimate(old.logp, ref_logp, cfg.kl_estimator) * mask
         advantages, returns = gae(token_rewards, old.values, mask, cfg.gamma, cfg.lam)
-        if cfg.whiten_advantages:
-            mean = masked_mean(advantages, mask)
-            std = masked_mean((advantages - mean) ** 2, mask).sqrt()
+        if cfg.whiten_advantages:  # over the tokens of the whole batch, every trainer rank's share
+            count, total, squares = self.share.pooled([float(mask.sum()), float((advantages * mask).sum()),
+                                                       float((advantages ** 2 * mask).sum())])
+            mean = total / max(count, 1.0)
+            std = max(squares / max(count, 1.0) - mean ** 2, 0.0) ** 0.5
             advantages = (advantages - mean) / (std + 1e-8) * mask
         return Advantages(advantages, returns)
 

@@ -11,9 +11,11 @@ Separate (`rlhf.mode=separate`), one launch holds trainer ranks (the first ones)
 last `rlhf.rollout_ranks`). Every rollout rank runs its own engine on its own copy of the model and
 answers a share of the step's prompts (prompt i goes to rollout rank i mod R, sampled with prompt i's
 seed, so the completions do not depend on how many rollout ranks there are); the completions are
-gathered on every rank. After each update the first trainer rank broadcasts the trained parameters
-(the LoRA adapters, or every weight) to the rollout ranks in buckets of `rlhf.sync_bucket_mb`, one
-flat tensor per bucket and dtype, and reports the bytes and seconds it took. Both sides hold the model
+gathered on every rank. The trainer ranks are data-parallel (DeepSpeed over their own group): trainer t
+of T trains on the completions of prompts i with i mod T = t (`Share`), weighting its loss so that the
+averaged gradients are those of the whole batch. After each update the first trainer rank broadcasts
+the trained parameters (the LoRA adapters, or every weight) to the rollout ranks in buckets of
+`rlhf.sync_bucket_mb`, one flat tensor per bucket and dtype, and reports the bytes and seconds it took. Both sides hold the model
 in the same layout for now (no tensor or pipeline parallelism within a side), so nothing is resharded.
 """
 from __future__ import annotations
@@ -28,6 +30,28 @@ from unified.errors import UserError
 from unified.rlhf.rollout import Rollout, generate
 
 MODES = ("colocated", "separate")
+
+
+@dataclass(frozen=True)
+class Share:
+    """Which of a step's prompt groups one trainer rank trains on (group g where g mod `count` = `index`), and
+    how the trainer ranks pool what each computed on its share. One trainer: everything, nothing pooled."""
+
+    index: int = 0
+    count: int = 1
+    group: object = None  # the trainer ranks' process group
+
+    def holds(self, prompt_group: int) -> bool:
+        return prompt_group % self.count == self.index
+
+    def pooled(self, values: list[float], op: str = "mean") -> list[float]:
+        """Each value's mean (or "max") over the trainer ranks."""
+        if self.count == 1:
+            return list(values)
+        tensor = torch.tensor(values, dtype=torch.float64)
+        reduce_op = torch.distributed.ReduceOp.MAX if op == "max" else torch.distributed.ReduceOp.SUM
+        torch.distributed.all_reduce(tensor, op=reduce_op, group=self.group)
+        return (tensor if op == "max" else tensor / self.count).tolist()
 
 
 @dataclass(frozen=True)
@@ -75,6 +99,8 @@ def refresh_engine_copies(engine, model: nn.Module) -> None:
 
 
 class Colocated:
+    share = Share()
+
     def __init__(self, engine, model: nn.Module):
         self.engine, self.model = engine, model
 
@@ -109,6 +135,8 @@ class Separate:
         self.trainer_group = torch.distributed.new_group(roles.trainers)
         engine_groups = [torch.distributed.new_group([rank]) for rank in roles.rollouts]  # one engine per rank
         self.engine_group = engine_groups[roles.rollouts.index(self.rank)] if self.rank in roles.rollouts else None
+        self.share = (Share(roles.trainers.index(self.rank), len(roles.trainers), self.trainer_group)
+                      if roles.trains(self.rank) else None)
         self.device = next(model.parameters()).device
 
     def generate(self, prompts: list[list[int]], num_generations: int, max_tokens: int, temperature: float,

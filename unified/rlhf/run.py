@@ -51,9 +51,10 @@ def _check_run(cfg):
     if not roles.separate and roles.world > 1:
         raise UserError(f"recipe={cfg.job} colocated runs on one rank for now; with {roles.world} ranks, "
                         f"set rlhf.mode=separate (trainer and rollout ranks)")
-    if len(roles.trainers) > 1:
-        raise UserError(f"rlhf.mode=separate trains on one rank for now; with {roles.world} ranks set "
-                        f"rlhf.rollout_ranks={roles.world - 1}")
+    if len(roles.trainers) > cfg.rlhf.prompts_per_step:
+        raise UserError(f"rlhf.prompts_per_step={cfg.rlhf.prompts_per_step} leaves some of the {len(roles.trainers)} "
+                        f"trainer ranks without a prompt group to train on: raise rlhf.prompts_per_step to at least "
+                        f"{len(roles.trainers)} or give rlhf.rollout_ranks more of the {roles.world} ranks")
     return None if cfg.rlhf.reward_model is not None else load_reward(cfg.rlhf.reward)  # the model loads later
 
 
@@ -175,7 +176,8 @@ def run_rlhf(cfg) -> list[dict]:
     trainer = learner = None
     if trains:
         critic = value_head(model) if rc.algorithm == "ppo" else None
-        trainer = initialize(model, tc, runtime.dtype, 1, steps, PolicyObjective(model, rc, critic),
+        trainer = initialize(model, tc, runtime.dtype, len(roles.trainers) if roles.separate else 1, steps,
+                             PolicyObjective(model, rc, critic),
                              data_parallel_group=rollouts.trainer_group if roles.separate else None)
         if not roles.separate:
             rollouts = Colocated(engine(), model)
@@ -195,7 +197,7 @@ def run_rlhf(cfg) -> list[dict]:
     random.Random(cfg.seed).shuffle(order)
     sink = (MetricsSink(output, start, tc.wandb, tc.wandb_project,
                         OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else {})
-            if trains else None)
+            if trains and torch.distributed.get_rank() == 0 else None)  # the first trainer rank reports
     evaluate = bool(eval_prompts and rc.eval_every)
     eval_seed = cfg.seed + EVAL_SEED_OFFSET
     if evaluate and start == 0:
@@ -203,7 +205,7 @@ def run_rlhf(cfg) -> list[dict]:
         if sink:
             sink.write({"step": 0, **before})
             log.info("held-out reward before training: %s on %d prompts", before, len(eval_prompts))
-    with tqdm(total=steps, initial=start, desc=rc.algorithm, disable=not trains) as bar:
+    with tqdm(total=steps, initial=start, desc=rc.algorithm, disable=sink is None) as bar:
         for step in range(start, steps):
             chosen = [train_prompts[order[(step * rc.prompts_per_step + i) % len(order)]]
                       for i in range(rc.prompts_per_step)]
@@ -223,16 +225,18 @@ def run_rlhf(cfg) -> list[dict]:
                 if saves:
                     rollouts.checkpoint_saved()
                 continue
-            sink.write(metrics)  # before the checkpoint: a resumed run drops lines past its step, never misses one
+            if sink:
+                sink.write(metrics)  # before the checkpoint: a resumed run drops lines past its step, never misses one
             if saves:
                 checkpoint.save(trainer, checkpoints, step + 1, runtime.accelerator, tc.keep_checkpoints, lora,
                                 trainer_group)
             bar.set_postfix(reward=f"{metrics['reward']:.3f}", kl=f"{metrics['kl']:.4f}",
                             logp_diff=f"{metrics['sampling/sampling_logp_difference/mean']:.1e}")
             bar.update()
-    if trains:
+    if sink:
         sink.close()
-        if learner.value_head is not None:
+    if trains:
+        if learner.value_head is not None and torch.distributed.get_rank() == 0:  # alike on every trainer rank
             _save_value_head(learner.value_head, output)
         export_model(trainer, loaded, tc, output)
     torch.distributed.barrier()
