@@ -153,6 +153,19 @@ def test_our_adapter_round_trips(runtime, tiny_checkpoint, tmp_path):
     torch.testing.assert_close(_logits(again.model), _logits(loaded.model), rtol=0, atol=0)
 
 
+def test_adapter_matrices_stream_into_another_models_adapters(runtime, tiny_checkpoint):
+    """What an RLHF sync sends to rollout ranks: each whole matrix under peft's name, written into place."""
+    from unified.checkpoint.lora import adapter_tensors, write_adapter_tensor
+
+    loaded, _ = _adapted("deepseek_v3", tiny_checkpoint)
+    again = load_model(tiny_checkpoint("deepseek_v3"))
+    apply_lora(again.model, LoraConfig(rank=4, alpha=8))
+    sent = dict(adapter_tensors(loaded.model))
+    assert sent and all(write_adapter_tensor(again.model, name, tensor) for name, tensor in sent.items())
+    assert not write_adapter_tensor(again.model, "base_model.model.no.such_proj.lora_A.weight", next(iter(sent.values())))
+    torch.testing.assert_close(_logits(again.model), _logits(loaded.model), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("family", ["llama", "deepseek_v3"])
 def test_merged_weights_give_the_unmerged_logits(family, runtime, tiny_checkpoint, tmp_path):
     from transformers import AutoModelForCausalLM

@@ -65,17 +65,22 @@ def test_bad_runs_are_named_before_anything_loads(tmp_path, options, words):
         _prompt_records(cfg)
 
 
-def test_more_trainer_ranks_than_prompt_groups_is_named(tmp_path, monkeypatch):
+@pytest.mark.parametrize("options,words", [
+    (("rlhf.prompts_per_step=2",), "rlhf.prompts_per_step=2 leaves some of the 4 trainer ranks"),
+    (("rlhf.rollout_parallel.tensor=8",), "needs 8 ranks per rollout engine, which the 4 rollout ranks"),
+    (("rlhf.rollout_ranks=3", "rlhf.rollout_parallel.tensor=2"), "which the 3 rollout ranks do not divide"),
+])
+def test_impossible_separate_layouts_are_named(tmp_path, monkeypatch, options, words):
     from omegaconf import OmegaConf
 
     from unified.config.schema import RunConfig
     from unified.errors import UserError
     from unified.rlhf.run import _check_run
 
-    monkeypatch.setenv("WORLD_SIZE", "8")  # a launch of 8 ranks: 4 trainer ranks by default
+    monkeypatch.setenv("WORLD_SIZE", "8")  # a launch of 8 ranks: 4 trainer and 4 rollout ranks by default
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), {"job": "grpo", "output": str(tmp_path)},
-                          OmegaConf.from_dotlist(["rlhf.mode=separate", "rlhf.prompts_per_step=2"]))
-    with pytest.raises(UserError, match=re.escape("rlhf.prompts_per_step=2 leaves some of the 4 trainer ranks")):
+                          OmegaConf.from_dotlist(["rlhf.mode=separate", *options]))
+    with pytest.raises(UserError, match=re.escape(words)):
         _check_run(cfg)
 
 

@@ -1,6 +1,7 @@
 """rlhf.mode=separate takes the very step colocated mode takes: on two CPU ranks (one trainer, one rollout rank),
 and on three (by default two data-parallel trainer ranks, each on half of the prompt groups, and one rollout
-rank), with the weights moving to the rollout rank by broadcast after each update."""
+rank), with the weights moving to the rollout rank by broadcast after each update. A rollout engine split
+by tensor parallelism gets its parts of the trained weights (resharded) and samples the trained policy."""
 from __future__ import annotations
 
 import json
@@ -35,3 +36,20 @@ def test_separate_mode_takes_the_same_first_step_as_colocated(tiny_chat_checkpoi
         assert step["sync/bytes"] > 0 and step["reward_std"] > 0
         for name in ("reward", "kl", "entropy", "completions/mean_length"):  # of the whole batch, pooled
             assert abs(step[name] - first[name]) <= 1e-5, (ranks, name, step[name], first[name])
+
+
+def test_a_tensor_parallel_rollout_engine_samples_the_trained_policy(tiny_chat_checkpoint, tmp_path):
+    """One trainer rank, one rollout engine on two ranks (tensor parallel 2): after the first update the
+    engine's log-probabilities of its samples equal the trainer's forward, so the resharded adapters arrived."""
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Count to {n}."}) for n in range(4)))
+    output = tmp_path / "out"
+    launch("deepspeed", "recipe=grpo", f"model={tiny_chat_checkpoint}", f"data={data}",
+           "rlhf.reward=tests.rlhf.rewards_for_tests:even_tokens", "steps=2", "rlhf.prompts_per_step=2",
+           "rlhf.max_tokens=8", "train.lr=1e-2", "train.wandb=disabled", f"output={output}", "rlhf.mode=separate",
+           "rlhf.rollout_ranks=2", "rlhf.rollout_parallel.tensor=2", ranks=3)
+    steps = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2]
+    assert steps[1]["kl"] > 1e-2  # the policy of the second rollouts moved away from the reference
+    assert all(s["sampling/sampling_logp_difference/mean"] <= 1e-5 for s in steps), steps
+    assert steps[1]["sync/bytes"] > 0

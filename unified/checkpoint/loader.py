@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -20,7 +20,7 @@ from unified.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckp
 from unified.model.config import ModelConfig
 from unified.model.multimodal import VisionLanguageModel
 from unified.model.transformer import CausalLM
-from unified.runtime import check_layout, current_layout
+from unified.runtime import check_layout, current_layout, layout_world
 
 # Files that travel with the weights: tokenizer, chat template, generation defaults, image processor.
 SIDECAR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -121,7 +121,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     config = model_config_from_hf(hf)
     _check_head(path, hf, config.num_labels, num_labels)
     ckpt = SafetensorsCheckpoint(path)  # reads the headers only
-    check_layout(current_layout(), torch.distributed.get_world_size(), config)  # before reading any weight
+    check_layout(current_layout(), layout_world(), config)  # before reading any weight
     with torch.device(device):
         model = VisionLanguageModel(config, dtype) if config.vision else CausalLM(config, dtype)
     rank, size = _tp_rank_size()
@@ -161,14 +161,14 @@ def _gather_part(part: torch.Tensor, dim: int, heads: int | None, group) -> torc
     return torch.cat(pieces, dim=dim)
 
 
-def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
-    """Our parameters under HF names and layouts. Under tensor parallelism every rank of the group must
-    call it (the slices are gathered); each gets the whole tensors."""
+def hf_tensors(model: CausalLM) -> Iterator[tuple[str, torch.Tensor]]:
+    """Our parameters under HF names and layouts, one whole tensor at a time on the model's device (views of
+    the parameters where nothing had to be gathered). Under tensor parallelism every rank of the group must
+    go through all of them (the slices are gathered); each gets the whole tensors."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
     state = dict(model.named_parameters()) | dict(model.named_buffers())
-    out = {}
     for param in parameter_map(model.config):
         if param.ours not in state:
             continue  # another pipeline stage holds it
@@ -178,10 +178,12 @@ def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
         for names, row in zip(param.rows, rows):
             full, local, heads = part_sizes(param, row.shape[param.cat_dim], tp)
             for name, part, h in zip(names, row.split(local, dim=param.cat_dim), heads):
-                if tp > 1:
-                    part = _gather_part(part, param.split, h, group)
-                out[name] = part.contiguous().cpu()
-    return out
+                yield name, (_gather_part(part, param.split, h, group) if tp > 1 else part)
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """`hf_tensors` as a dict of contiguous host tensors (a collective under tensor parallelism, likewise)."""
+    return {name: tensor.contiguous().cpu() for name, tensor in hf_tensors(model)}
 
 
 def export_hf(loaded: LoadedModel, out_dir: str | Path, max_shard_bytes: int = 5 * 1024 ** 3) -> Path:

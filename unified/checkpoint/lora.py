@@ -30,6 +30,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -260,6 +261,46 @@ def merge_lora(model: nn.Module) -> int:
     return len(adapted)
 
 
+def adapter_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """This stage's LoRA matrices under peft's names, whole (tensor-parallel slices gathered: every rank of the
+    group must go through all of them), on the model's device."""
+    for host, param in _linears(model).values():
+        adapter = getattr(host, "lora", None)
+        if adapter is None:
+            continue
+        for projection, n in zip(_projections(param), _full_shape(host, param)[0]):
+            if _short(projection) not in adapter.A:
+                continue
+            a, b = adapter.A[_short(projection)].detach(), adapter.B[_short(projection)].detach()
+            if adapter.group is not None and adapter.parallel == "row":
+                a = _gather_part(a, 1, None, adapter.group)
+            elif adapter.group is not None:
+                b = _gather_part(b, 0, n // param.unit if param.unit else None, adapter.group)
+            yield f"{PEFT_PREFIX}{projection}.lora_A.weight", a
+            yield f"{PEFT_PREFIX}{projection}.lora_B.weight", b
+
+
+@torch.no_grad()
+def write_adapter_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Copies this rank's part of the whole LoRA matrix `name` (peft's name, as `adapter_tensors` gives it)
+    into the model's adapter; False where this rank holds no part of it (another pipeline stage)."""
+    projection, _, kind = name.removeprefix(PEFT_PREFIX).rpartition(".lora_")
+    for host, param in _linears(model).values():
+        adapter = getattr(host, "lora", None)
+        if adapter is None or projection not in _projections(param) or _short(projection) not in adapter.A:
+            continue
+        tp_rank, tp_size = _tp_rank_size() if adapter.group is not None else (0, 1)
+        if kind == "A.weight":
+            part = _read_part(FullTensors(a=tensor), "a", 1 if param.split == 1 else None, tp_rank, tp_size)
+            adapter.A[_short(projection)].copy_(part)
+        else:
+            part = _read_part(FullTensors(b=tensor), "b", 0 if param.split == 0 else None, tp_rank, tp_size,
+                              param.unit)
+            adapter.B[_short(projection)].copy_(part)
+        return True
+    return False
+
+
 def save_adapter(model: nn.Module, out_dir: str | Path, base_model: str | None = None) -> Path:
     """Writes adapter_config.json and adapter_model.safetensors as peft does, so that
     `peft.PeftModel.from_pretrained(hf_model, out_dir)` computes what our model computes. Under tensor
@@ -270,22 +311,8 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_model: str | None =
         raise UserError("save_adapter does not support pipeline parallelism yet; save from a model loaded "
                         "without it")
     linears = _linears(model)
-    tensors, adapters = {}, []
-    for host, param in linears.values():
-        adapter = getattr(host, "lora", None)
-        if adapter is None:
-            continue
-        adapters.append(adapter)
-        for projection, n in zip(_projections(param), _full_shape(host, param)[0]):
-            if _short(projection) not in adapter.A:
-                continue
-            a, b = adapter.A[_short(projection)].detach(), adapter.B[_short(projection)].detach()
-            if adapter.group is not None and adapter.parallel == "row":
-                a = _gather_part(a, 1, None, adapter.group)
-            elif adapter.group is not None:
-                b = _gather_part(b, 0, n // param.unit if param.unit else None, adapter.group)
-            tensors[f"{PEFT_PREFIX}{projection}.lora_A.weight"] = a.contiguous().cpu()
-            tensors[f"{PEFT_PREFIX}{projection}.lora_B.weight"] = b.contiguous().cpu()
+    tensors = {name: tensor.contiguous().cpu() for name, tensor in adapter_tensors(model)}
+    adapters = [host.lora for host, _ in linears.values() if getattr(host, "lora", None) is not None]
     if not adapters:
         raise UserError("the model has no LoRA adapters to save")
     first = adapters[0]

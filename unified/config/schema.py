@@ -134,6 +134,9 @@ class RLHFConfig:
     # the others train data-parallel, each on its share of the step's prompt groups
     mode: str = "colocated"
     rollout_ranks: Optional[int] = None
+    # separate mode: the layout of each rollout engine (its ranks: tensor x pipeline x expert); the rollout
+    # ranks hold as many engines as fit, and the weights are resharded to it at every sync
+    rollout_parallel: ParallelConfig = field(default_factory=ParallelConfig)
     sync_bucket_mb: int = 256
     # `reward(prompts, completions, **task_fields) -> list[float]` by import path; the default scores the task
     reward: str = "unified.rlhf.tasks:task_reward"

@@ -189,10 +189,11 @@ class LLMEngine:
             prefix_hit_rate=blocks.hit_tokens / blocks.queried_tokens if blocks.queried_tokens else 0.0,
             preemptions=self.scheduler.num_preemptions)
 
-    def follow(self) -> None:
-        """Non-driver ranks: serve the driver's steps until it shuts the engine down."""
+    def follow(self, ignore_signals: bool = True) -> None:
+        """Non-driver ranks: serve the driver's steps until it releases them (`release_followers`, or its
+        shutdown). A server's followers ignore the launcher's signals (`ignore_signals`), see below."""
         assert not self.is_driver
-        if threading.current_thread() is threading.main_thread():
+        if ignore_signals and threading.current_thread() is threading.main_thread():
             # A launcher signals every rank; followers end when the driver, shutting down, releases them.
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, signal.SIG_IGN)
@@ -263,10 +264,14 @@ class LLMEngine:
                 seq.publishes_blocks = not seq.block_table
         self.weights_version += 1
 
-    def shutdown(self) -> None:
-        """Driver: releases the ranks that follow it (a no-op in one process)."""
+    def release_followers(self) -> None:
+        """Driver: ends the `follow` of the ranks that follow it (a no-op in one process); they may follow again."""
         if self.is_driver:
             self.runner.stop_followers()
+
+    def shutdown(self) -> None:
+        """Driver: releases the ranks that follow it for good."""
+        self.release_followers()
 
     # Requests ---------------------------------------------------------------------------------------
 

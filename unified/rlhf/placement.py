@@ -8,15 +8,17 @@ weights (packed CPU copies, with the LoRA adapters folded in) is refreshed after
 cache starts empty.
 
 Separate (`rlhf.mode=separate`), one launch holds trainer ranks (the first ones) and rollout ranks (the
-last `rlhf.rollout_ranks`). Every rollout rank runs its own engine on its own copy of the model and
-answers a share of the step's prompts (prompt i goes to rollout rank i mod R, sampled with prompt i's
-seed, so the completions do not depend on how many rollout ranks there are); the completions are
-gathered on every rank. The trainer ranks are data-parallel (DeepSpeed over their own group): trainer t
+last `rlhf.rollout_ranks`). The rollout ranks run engines on their own copy of the model, each engine
+on one rank or, with `rlhf.rollout_parallel` (tensor, pipeline, expert parallel), on several (each role
+with megatron groups of its own: unified.runtime.role_layouts; an engine's first rank drives it and the
+others follow its steps). Engine e of E answers a share of the step's prompts (prompt i goes to engine i
+mod E, sampled with prompt i's seed, so the completions do not depend on how many engines there are);
+the completions are gathered on every rank. The trainer ranks are data-parallel (DeepSpeed over their own group): trainer t
 of T trains on the completions of prompts i with i mod T = t (`Share`), weighting its loss so that the
-averaged gradients are those of the whole batch. After each update the first trainer rank broadcasts
-the trained parameters (the LoRA adapters, or every weight) to the rollout ranks in buckets of
-`rlhf.sync_bucket_mb`, one flat tensor per bucket and dtype, and reports the bytes and seconds it took. Both sides hold the model
-in the same layout for now (no tensor or pipeline parallelism within a side), so nothing is resharded.
+averaged gradients are those of the whole batch. After each update the first trainer rank broadcasts the trained parameters (the LoRA adapters, or every weight) to
+the rollout ranks in buckets of `rlhf.sync_bucket_mb`, one flat tensor per bucket and dtype, and reports
+the bytes and seconds it took: as they are where the rollout engines hold whole parameters too, else
+under their HF names, each rollout rank taking its own part (unified.rlhf.resharding).
 """
 from __future__ import annotations
 
@@ -27,7 +29,9 @@ import torch
 from torch import nn
 
 from unified.errors import UserError
+from unified.rlhf.resharding import reshard_to_rollouts
 from unified.rlhf.rollout import Rollout, generate
+from unified.runtime.layout import Layout
 
 MODES = ("colocated", "separate")
 
@@ -56,10 +60,11 @@ class Share:
 
 @dataclass(frozen=True)
 class Roles:
-    """Which ranks train and which roll out, in a world of `world` ranks."""
+    """Which ranks train and which roll out, in a world of `world` ranks, and the rollout engines' layout."""
 
     world: int
     rollout_ranks: int
+    rollout_layout: Layout = Layout()
 
     @staticmethod
     def of(cfg, world: int) -> "Roles":
@@ -73,7 +78,26 @@ class Roles:
                             f"{world} ranks, rlhf.rollout_ranks={rollout} leaves "
                             f"{'none to train' if rollout >= world else 'none to roll out'}: launch more ranks "
                             f"(deepspeed --num_gpus 2 ...) or set rlhf.rollout_ranks between 1 and {world - 1}")
-        return Roles(world, rollout)
+        p = cfg.rollout_parallel
+        layout = Layout(p.tensor, p.pipeline, p.expert)
+        engine = layout.tensor * layout.pipeline * layout.expert
+        if min(p.tensor, p.pipeline, p.expert) < 1 or rollout % engine:
+            raise UserError(f"rlhf.rollout_parallel ({layout}) needs {engine} ranks per rollout engine, which the "
+                            f"{rollout} rollout ranks do not divide into: set rlhf.rollout_ranks to a multiple of "
+                            f"{engine} or choose a smaller rlhf.rollout_parallel")
+        return Roles(world, rollout, layout)
+
+    @property
+    def engine_ranks(self) -> list[list[int]]:
+        """The ranks of each rollout engine (its first one drives it)."""
+        size = self.rollout_layout.tensor * self.rollout_layout.pipeline * self.rollout_layout.expert
+        return [self.rollouts[i:i + size] for i in range(0, self.rollout_ranks, size)]
+
+    @property
+    def blocks(self) -> list[tuple[int, Layout]]:
+        """The world's blocks of ranks with their layouts (unified.runtime.role_layouts): the data-parallel
+        trainers, then every rollout engine."""
+        return [(len(self.trainers), Layout())] + [(len(ranks), self.rollout_layout) for ranks in self.engine_ranks]
 
     @property
     def separate(self) -> bool:
@@ -133,22 +157,29 @@ class Separate:
         # Every rank creates every group, in the same order (torch.distributed requires it).
         self.sync_group = torch.distributed.new_group([roles.trainers[0], *roles.rollouts])
         self.trainer_group = torch.distributed.new_group(roles.trainers)
-        engine_groups = [torch.distributed.new_group([rank]) for rank in roles.rollouts]  # one engine per rank
-        self.engine_group = engine_groups[roles.rollouts.index(self.rank)] if self.rank in roles.rollouts else None
+        engines = roles.engine_ranks
+        engine_groups = [torch.distributed.new_group(ranks) for ranks in engines]
+        self.engine_index = next((i for i, ranks in enumerate(engines) if self.rank in ranks), None)
+        self.engine_group = None if self.engine_index is None else engine_groups[self.engine_index]
         self.share = (Share(roles.trainers.index(self.rank), len(roles.trainers), self.trainer_group)
                       if roles.trains(self.rank) else None)
         self.device = next(model.parameters()).device
+        self.resharded = roles.rollout_layout != Layout()  # else both sides hold whole parameters alike
 
     def generate(self, prompts: list[list[int]], num_generations: int, max_tokens: int, temperature: float,
                  seed: int | None) -> list[Rollout]:
-        """A collective of every rank: each rollout rank answers its share, and every rank gets all of them."""
+        """A collective of every rank: each rollout engine answers its share (its driver gets them; the
+        engine's other ranks follow its steps), and every rank gets all of them."""
         mine: list[Rollout] = []
-        if self.engine is not None:
-            share = self.roles.rollouts.index(self.rank)
-            chosen = list(range(share, len(prompts), self.roles.rollout_ranks))
+        if self.engine is not None and not self.engine.is_driver:
+            self.engine.follow(ignore_signals=False)  # until the driver has its share
+        elif self.engine is not None:
+            engines = len(self.roles.engine_ranks)
+            chosen = list(range(self.engine_index, len(prompts), engines))
             seeds = None if seed is None else [seed + i * num_generations for i in chosen]
             mine = generate(self.engine, [prompts[i] for i in chosen], num_generations, max_tokens, temperature,
                             seeds=seeds)
+            self.engine.release_followers()
             for rollout in mine:
                 rollout.group = chosen[rollout.group]
         gathered: list = [None] * self.roles.world
@@ -162,7 +193,20 @@ class Separate:
         """From the first trainer rank to every rollout rank; the other trainer ranks take no part."""
         if self.rank not in (self.roles.trainers[0], *self.roles.rollouts):
             return {}
-        started, sent = time.perf_counter(), 0
+        started = time.perf_counter()
+        if self.resharded:
+            sent = reshard_to_rollouts(self.model, self.lora, self.roles.trainers[0], self.sync_group,
+                                       self.bucket_bytes, self.device, receives=self.engine is not None)
+        else:
+            sent = self._send_same_layout()
+        if self.engine is not None:
+            refresh_engine_copies(self.engine, self.model)
+            self.engine.blocks.reset_prefix_cache()  # its K/V came from the weights before this update
+        return {"sync/bytes": float(sent), "sync/seconds": time.perf_counter() - started}
+
+    def _send_same_layout(self) -> int:
+        """Every synced parameter as it is, in flat buckets: both sides hold whole parameters."""
+        sent = 0
         with torch.no_grad():
             for bucket in self._buckets():
                 flat = (torch.cat([p.detach().reshape(-1) for _, p in bucket]) if self.rank == self.roles.trainers[0]
@@ -175,10 +219,7 @@ class Separate:
                     for _, p in bucket:
                         p.copy_(flat[offset:offset + p.numel()].view_as(p))
                         offset += p.numel()
-        if self.engine is not None:
-            refresh_engine_copies(self.engine, self.model)
-            self.engine.blocks.reset_prefix_cache()  # its K/V came from the weights before this update
-        return {"sync/bytes": float(sent), "sync/seconds": time.perf_counter() - started}
+        return sent
 
     def checkpoint_saved(self) -> None:
         """On rollout ranks, while the trainer saves a checkpoint: DeepSpeed's save_checkpoint holds two

@@ -144,9 +144,12 @@ def run_rlhf(cfg) -> list[dict]:
     if roles.separate:
         import deepspeed
 
+        from unified.runtime.role_layouts import init_role_layouts
+
         # DeepSpeed's communication setup (its shared-memory reduce on CPU) needs every rank, but only the
         # trainer ranks go on to deepspeed.initialize: set it up here, together.
         deepspeed.comm.init_distributed(runtime.accelerator.communication_backend_name())
+        init_role_layouts(roles.blocks)  # the trainers data-parallel, each rollout engine its own layout
     trains = not roles.separate or roles.trains(torch.distributed.get_rank())
     if reward is None and trains:
         from unified.rlhf.reward_model import load_reward_model

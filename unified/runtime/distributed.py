@@ -54,6 +54,15 @@ def shutdown_distributed(wait_for_peers: bool) -> None:
     dist.destroy_process_group()
 
 
+def layout_world() -> int:
+    """How many ranks this rank's layout spans: the world, or its block of the world when the ranks play
+    roles with layouts of their own (unified.runtime.role_layouts)."""
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_world_size() * parallel_state.get_pipeline_model_parallel_world_size()
+            * parallel_state.get_data_parallel_world_size())
+
+
 def current_layout() -> Layout:
     from megatron.core import parallel_state
 
