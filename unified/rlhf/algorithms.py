@@ -31,6 +31,7 @@ from unified.rlhf.losses import (KL_ESTIMATORS, LOSS_LEVELS, PolicyLossStats, kl
                                  value_loss)
 from unified.rlhf.rewards import RewardFn, score
 from unified.rlhf.rollout import CompletionForward, Rollout, TokenBatch, completion_forward, completion_logprobs
+from unified.train.engine import clip_gradients, grad_norm
 
 ALGORITHMS = ("grpo", "ppo")
 
@@ -81,12 +82,19 @@ class PolicyObjective(nn.Module):
         super().__init__()
         self.model, self.cfg, self.value_head = model, cfg, value_head
 
-    def forward(self, batch: TokenBatch, old_logp, advantages, ref_logp, old_values=None, returns=None,
-                weights: tuple[float, float] | None = None) -> tuple[torch.Tensor, PolicyLossStats, CompletionForward]:
+    def forward(self, batch: TokenBatch, old_logp=None, advantages=None, ref_logp=None, old_values=None, returns=None,
+                weights: tuple[float, float] | None = None, *, score_only: bool = False,
+                entropy: bool = False) -> tuple[torch.Tensor, PolicyLossStats, CompletionForward] | CompletionForward:
         """`old_logp` None: this forward is the policy that sampled (a batch's first update), so its own
         log-probabilities, detached, are the old ones. `weights` scale the policy and value losses (a
         data-parallel trainer rank's share of the batch, see `share_weights`). Returns the loss, its
-        statistics, and this forward's log-probabilities and entropies (detached)."""
+        statistics, and this forward's log-probabilities and entropies (detached).
+
+        `score_only`: the completions' log-probabilities (entropies if asked, values with a value head) and
+        no loss; the learner's no-grad forwards come this way too, so that under ZeRO-3 DeepSpeed gathers
+        what they read (the tied head's embedding included) as it does for the training forward."""
+        if score_only:
+            return completion_forward(self.model, batch, self.value_head, entropy=entropy)
         cfg, mask = self.cfg, batch.mask
         out = completion_forward(self.model, batch, self.value_head, entropy=old_logp is None)
         if old_logp is None:
@@ -144,7 +152,8 @@ class Advantages:
 class GRPO:
     name = "grpo"
 
-    def __init__(self, rollouts, trainer, reward: RewardFn, cfg, reference: nn.Module | None = None, seed: int = 0):
+    def __init__(self, rollouts, trainer, reward: RewardFn, cfg, reference: nn.Module | None = None, seed: int = 0,
+                 max_grad_norm: float = 0.0):
         """`rollouts`: where completions come from (unified.rlhf.placement: Colocated or Separate);
         `trainer`: the DeepSpeed engine around a PolicyObjective of the policy. Under LoRA the reference is
         the base model (adapters off); when every weight trains, `reference` must be the model as it starts
@@ -156,7 +165,7 @@ class GRPO:
         if not self.lora and reference is None:
             raise ValueError("training every weight needs a reference model: the policy as it starts")
         self.reference = None if self.lora else _frozen(reference)
-        self.seed = seed
+        self.seed, self.max_grad_norm = seed, max_grad_norm  # train.max_grad_norm, as fine-tuning clips
         self.steps = 0
         self.share = rollouts.share  # which completions this trainer rank trains on
 
@@ -165,7 +174,7 @@ class GRPO:
             device = next(self.reference.parameters()).device  # the host, with rlhf.reference_on_host
             return completion_logprobs(self.reference, batch.to(device)).to(batch.mask.device)
         with adapters_disabled(self.model):
-            return completion_logprobs(self.model, batch)
+            return self.trainer(batch, score_only=True).logp
 
     def advantages(self, rewards: torch.Tensor, batch: TokenBatch, old, ref_logp: torch.Tensor) -> Advantages:
         return Advantages(group_advantages(rewards, self.cfg.num_generations, self.cfg.scale_rewards))
@@ -199,7 +208,7 @@ class GRPO:
         kl_rows = len(rollouts) if kl_trains else max(1, round(len(rollouts) * cfg.kl_report_fraction))
         with torch.no_grad():
             # GRPO's advantages need no forward: the first update's own forward is the policy that sampled
-            old = completion_forward(model, batch, self.value_head, entropy=True) if self.value_head is not None else None
+            old = self.trainer(batch, score_only=True, entropy=True) if self.value_head is not None else None
             ref_logp = self.reference_logprobs(batch.first(kl_rows)) if kl_trains or cfg.kl_report_fraction > 0 else None
         estimate = self.advantages(rewards, batch, old, ref_logp)
         old_logp = None if old is None else old.logp
@@ -210,6 +219,8 @@ class GRPO:
                 old_logp, entropy = (now.logp, now.entropy) if old is None else (old.logp, old.entropy)
                 gap = self._gate(old_logp, batch)  # before the first optimizer step
             self.trainer.backward(loss)
+            if self.max_grad_norm > 0 and not self.trainer.gradient_clipping():  # else DeepSpeed clips in step()
+                self.trainer.grad_norm = clip_gradients(self.trainer, self.max_grad_norm)
             self.trainer.step()
         if ref_logp is not None and not kl_trains:
             kl_rows = ref_logp.shape[0]
@@ -239,6 +250,9 @@ class GRPO:
                    "timing/rollout_s": rollout_s, "timing/train_s": train_s, "timing/sync_s": sync_s,
                    "rollout_tok_s": tokens / rollout_s, "train_tok_s": tokens * cfg.updates_per_batch / train_s,
                    "memory/kv_cache_released_bytes": released}
+        norm = grad_norm(self.trainer)
+        if norm is not None:
+            metrics["grad_norm"] = norm  # of the last update, before clipping
         metrics.update(synced)
         return metrics
 

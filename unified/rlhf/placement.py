@@ -31,6 +31,7 @@ from torch import nn
 from unified.errors import UserError
 from unified.rlhf.resharding import reshard_to_rollouts
 from unified.rlhf.rollout import Rollout, generate
+from unified.rlhf.whole_weights import WholeWeights
 from unified.runtime.layout import Layout
 
 MODES = ("colocated", "separate")
@@ -125,19 +126,24 @@ def refresh_engine_copies(engine, model: nn.Module) -> None:
 class Colocated:
     share = Share()
 
-    def __init__(self, engine, model: nn.Module):
+    def __init__(self, engine, model: nn.Module, whole: WholeWeights | None = None):
+        """`whole`: the trainer's parameters made whole where ZeRO-3 partitions them (the engine samples and
+        re-packs inside it; build it inside it too)."""
         self.engine, self.model = engine, model
+        self.whole = whole or WholeWeights(model, partitioned=False)
 
     def generate(self, prompts: list[list[int]], num_generations: int, max_tokens: int, temperature: float,
                  seed: int | None) -> list[Rollout]:
-        return generate(self.engine, prompts, num_generations, max_tokens, temperature, seed)
+        with self.whole():
+            return generate(self.engine, prompts, num_generations, max_tokens, temperature, seed)
 
     def release(self) -> int:
         return self.engine.release_kv_cache()
 
     def weights_changed(self) -> dict[str, float]:
-        refresh_engine_copies(self.engine, self.model)
-        return {}
+        with self.whole():
+            refresh_engine_copies(self.engine, self.model)
+        return self.whole.take_stats()
 
 
 def synced_parameters(model: nn.Module, lora: bool) -> list[tuple[str, nn.Parameter]]:
@@ -151,6 +157,7 @@ class Separate:
 
     def __init__(self, roles: Roles, model: nn.Module, lora: bool, bucket_bytes: int = 256 << 20):
         self.roles, self.model, self.lora = roles, model, lora
+        self.whole = WholeWeights(model, partitioned=False)  # trainer ranks under ZeRO-3 set theirs
         self.engine = None
         self.rank = torch.distributed.get_rank()
         self.bucket_bytes = bucket_bytes
@@ -190,19 +197,21 @@ class Separate:
         return 0  # the trainer ranks hold no KV cache; the rollout ranks keep theirs
 
     def weights_changed(self) -> dict[str, float]:
-        """From the first trainer rank to every rollout rank; the other trainer ranks take no part."""
-        if self.rank not in (self.roles.trainers[0], *self.roles.rollouts):
-            return {}
+        """From the first trainer rank to every rollout rank; the other trainer ranks only take part in
+        making the parameters whole under ZeRO-3."""
         started = time.perf_counter()
-        if self.resharded:
-            sent = reshard_to_rollouts(self.model, self.lora, self.roles.trainers[0], self.sync_group,
-                                       self.bucket_bytes, self.device, receives=self.engine is not None)
-        else:
-            sent = self._send_same_layout()
+        with self.whole():
+            if self.rank not in (self.roles.trainers[0], *self.roles.rollouts):
+                return self.whole.take_stats()
+            if self.resharded:
+                sent = reshard_to_rollouts(self.model, self.lora, self.roles.trainers[0], self.sync_group,
+                                           self.bucket_bytes, self.device, receives=self.engine is not None)
+            else:
+                sent = self._send_same_layout()
         if self.engine is not None:
             refresh_engine_copies(self.engine, self.model)
             self.engine.blocks.reset_prefix_cache()  # its K/V came from the weights before this update
-        return {"sync/bytes": float(sent), "sync/seconds": time.perf_counter() - started}
+        return {"sync/bytes": float(sent), "sync/seconds": time.perf_counter() - started, **self.whole.take_stats()}
 
     def _send_same_layout(self) -> int:
         """Every synced parameter as it is, in flat buckets: both sides hold whole parameters."""

@@ -22,6 +22,7 @@ from unified.errors import UserError
 from unified.rlhf.algorithms import (PolicyObjective, Prompt, algorithm, check_rlhf_config, rollout_seed, score_rollouts,
                                      value_head)
 from unified.rlhf.placement import Colocated, Roles, Separate
+from unified.rlhf.whole_weights import WholeWeights
 from unified.rlhf.rewards import load_reward
 from unified.rlhf.tasks import read_prompts, task_prompts
 
@@ -44,10 +45,12 @@ def _check_run(cfg):
     if cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.expert > 1:
         raise UserError(f"recipe={cfg.job} runs without tensor, pipeline or expert parallelism for now "
                         f"(parallel=single); use rlhf.mode=separate to spread it over ranks")
-    if cfg.train.zero_stage == 3:
-        raise UserError(f"recipe={cfg.job} does not run under ZeRO-3 yet: the engine would need the partitioned "
-                        f"weights gathered for every rollout; use train.zero_stage=0, 1 or 2")
     roles = Roles.of(cfg.rlhf, int(os.environ.get("WORLD_SIZE", "1")))
+    if cfg.train.zero_stage == 3 and roles.separate:
+        raise UserError(f"recipe={cfg.job} runs ZeRO-3 colocated only for now: DeepSpeed's ZeRO-3 holds collectives "
+                        f"of the whole world (barriers at set-up, checks of its parameter trace at every forward) "
+                        f"that the rollout ranks of rlhf.mode=separate cannot join; use train.zero_stage=0, 1 or 2 "
+                        f"there, or rlhf.mode=colocated")
     if not roles.separate and roles.world > 1:
         raise UserError(f"recipe={cfg.job} colocated runs on one rank for now; with {roles.world} ranks, "
                         f"set rlhf.mode=separate (trainer and rollout ranks)")
@@ -182,9 +185,14 @@ def run_rlhf(cfg) -> list[dict]:
         trainer = initialize(model, tc, runtime.dtype, len(roles.trainers) if roles.separate else 1, steps,
                              PolicyObjective(model, rc, critic),
                              data_parallel_group=rollouts.trainer_group if roles.separate else None)
-        if not roles.separate:
-            rollouts = Colocated(engine(), model)
-        learner = algorithm(rc.algorithm)(rollouts, trainer, reward, rc, reference, seed=cfg.seed)
+        whole = WholeWeights(trainer.module, partitioned=tc.zero_stage == 3)
+        if roles.separate:
+            rollouts.whole = whole
+        else:
+            with whole():
+                rollouts = Colocated(engine(), model, whole)
+        learner = algorithm(rc.algorithm)(rollouts, trainer, reward, rc, reference, seed=cfg.seed,
+                                          max_grad_norm=tc.max_grad_norm)
     output.mkdir(parents=True, exist_ok=True)
     checkpoints, trainer_group = output / CHECKPOINTS, rollouts.trainer_group if roles.separate else None
     start = checkpoint.resume(trainer, checkpoints, runtime.accelerator, lora) if trains and tc.resume else 0
@@ -239,8 +247,10 @@ def run_rlhf(cfg) -> list[dict]:
     if sink:
         sink.close()
     if trains:
-        if learner.value_head is not None and torch.distributed.get_rank() == 0:  # alike on every trainer rank
-            _save_value_head(learner.value_head, output)
+        if learner.value_head is not None:
+            with whole():  # ZeRO-3 partitions the head too
+                if torch.distributed.get_rank() == 0:  # alike on every trainer rank
+                    _save_value_head(learner.value_head, output)
         export_model(trainer, loaded, tc, output)
     torch.distributed.barrier()
     return sink.history if sink else []
