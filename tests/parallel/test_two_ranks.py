@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,8 +48,24 @@ def start_server(launcher: str, *args: str):
     """A two-rank server (recipe and model in `args`) on a free port: (its process, base URL, log file)."""
     port, log = free_port(), tempfile.TemporaryFile(mode="w+")
     server = subprocess.Popen([*_launcher(launcher), *args, f"port={port}"], stdout=log, stderr=subprocess.STDOUT,
-                              cwd=tempfile.mkdtemp(), env={**LAUNCH_ENV, "UNIFIED_API_KEY": ""})
+                              cwd=tempfile.mkdtemp(), env={**LAUNCH_ENV, "UNIFIED_API_KEY": ""},
+                              start_new_session=True)  # its own process group: see stop_server
     return server, f"http://127.0.0.1:{port}", log
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """Whatever of the launch is still running, ranks included: the deepspeed runner leaves its launcher and
+    ranks behind when it is terminated."""
+    if server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(server.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def wait_until_ready(server: subprocess.Popen, base: str, timeout: float = 300) -> None:
@@ -129,8 +146,6 @@ def test_engine_agrees_across_layouts(tiny_mqa_checkpoint, tmp_path):
 
 def test_serving_on_two_ranks_reports_collectives_reloads_weights_and_stops_cleanly(
         tiny_mqa_checkpoint, smollm2_checkpoint, tmp_path, runtime):
-    import signal
-
     import httpx
 
     other = build_tiny_mqa_checkpoint(tmp_path / "tiny-mqa-seed-1", smollm2_checkpoint, seed=1)
@@ -161,8 +176,7 @@ def test_serving_on_two_ranks_reports_collectives_reloads_weights_and_stops_clea
         # torchrun's own agent reports the signal it got; no rank may fail or raise from our code
         assert "exitcode" not in output and str(ROOT / "unified") not in output, output[-3000:]
     finally:
-        if server.poll() is None:
-            server.kill()
+        stop_server(server)
 
 
 def test_an_external_trainer_updates_a_tensor_parallel_rollout_server(smollm2_checkpoint, tmp_path):
@@ -183,8 +197,4 @@ def test_an_external_trainer_updates_a_tensor_parallel_rollout_server(smollm2_ch
         steps = [json.loads(line) for line in run.stdout.splitlines()]
         assert len(steps) == 2 and all(s["max_gap"] <= 1e-5 for s in steps), steps
     finally:
-        server.terminate()
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)

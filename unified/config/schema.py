@@ -129,7 +129,8 @@ class TrainConfig:
 @dataclass
 class RLHFConfig:
     algorithm: str = "grpo"  # grpo | ppo (set by the recipe's rlhf config group)
-    # colocated: one rank trains and rolls out on the same modules; separate: the last `rollout_ranks`
+    # colocated: every rank rolls out its share of the prompts and trains on it, on the same modules (data
+    # parallel over the ranks of a launch); separate: the last `rollout_ranks`
     # ranks (default half the world) roll out on their own copy, synced after each update in buckets, and
     # the others train data-parallel, each on its share of the step's prompt groups
     mode: str = "colocated"

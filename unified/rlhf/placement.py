@@ -5,7 +5,8 @@ memory while training, and `weights_changed` after an update.
 
 Colocated, the engine runs the trainer's very modules: nothing moves. What the engine derives from the
 weights (packed CPU copies, with the LoRA adapters folded in) is refreshed after an update, and its prefix
-cache starts empty.
+cache starts empty. Launched on several ranks, each rank samples its share of the prompts (`Share`) with
+its own engine, trains on it data-parallel, and sees every rank's completions for the step's figures.
 
 Separate (`rlhf.mode=separate`), one launch holds trainer ranks (the first ones) and rollout ranks (the
 last `rlhf.rollout_ranks`). The rollout ranks run engines on their own copy of the model, each engine
@@ -123,19 +124,39 @@ def refresh_engine_copies(engine, model: nn.Module) -> None:
         model.pack_weights()
 
 
-class Colocated:
-    share = Share()
+def generate_share(engine, prompts: list[list[int]], num_generations: int, max_tokens: int, temperature: float,
+                   seed: int | None, index: int, count: int) -> list[Rollout]:
+    """The completions of prompts i with i mod `count` = `index`, each prompt sampled with its own seed
+    (`seed` + i x num_generations, as on one rank) and labelled with its index i."""
+    chosen = list(range(index, len(prompts), count))
+    seeds = None if seed is None else [seed + i * num_generations for i in chosen]
+    mine = generate(engine, [prompts[i] for i in chosen], num_generations, max_tokens, temperature, seeds=seeds)
+    for rollout in mine:
+        rollout.group = chosen[rollout.group]
+    return mine
 
-    def __init__(self, engine, model: nn.Module, whole: WholeWeights | None = None):
+
+def gather_rollouts(mine: list[Rollout], group=None) -> list[Rollout]:
+    """Every rank's completions (of `group`, None: the world) on every rank, in prompt order."""
+    parts: list = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(parts, mine, group=group)
+    return sorted((r for part in parts for r in part), key=lambda r: r.group)
+
+
+class Colocated:
+    def __init__(self, engine, model: nn.Module, whole: WholeWeights | None = None, share: Share = Share()):
         """`whole`: the trainer's parameters made whole where ZeRO-3 partitions them (the engine samples and
-        re-packs inside it; build it inside it too)."""
-        self.engine, self.model = engine, model
+        re-packs inside it; build it inside it too). `share`: with several data-parallel ranks, each samples
+        its share of the prompts with its own engine and trains on them; every rank gets all completions."""
+        self.engine, self.model, self.share = engine, model, share
         self.whole = whole or WholeWeights(model, partitioned=False)
 
     def generate(self, prompts: list[list[int]], num_generations: int, max_tokens: int, temperature: float,
                  seed: int | None) -> list[Rollout]:
         with self.whole():
-            return generate(self.engine, prompts, num_generations, max_tokens, temperature, seed)
+            mine = generate_share(self.engine, prompts, num_generations, max_tokens, temperature, seed,
+                                  self.share.index, self.share.count)
+        return mine if self.share.count == 1 else gather_rollouts(mine, self.share.group)
 
     def release(self) -> int:
         return self.engine.release_kv_cache()
@@ -181,17 +202,10 @@ class Separate:
         if self.engine is not None and not self.engine.is_driver:
             self.engine.follow(ignore_signals=False)  # until the driver has its share
         elif self.engine is not None:
-            engines = len(self.roles.engine_ranks)
-            chosen = list(range(self.engine_index, len(prompts), engines))
-            seeds = None if seed is None else [seed + i * num_generations for i in chosen]
-            mine = generate(self.engine, [prompts[i] for i in chosen], num_generations, max_tokens, temperature,
-                            seeds=seeds)
+            mine = generate_share(self.engine, prompts, num_generations, max_tokens, temperature, seed,
+                                  self.engine_index, len(self.roles.engine_ranks))
             self.engine.release_followers()
-            for rollout in mine:
-                rollout.group = chosen[rollout.group]
-        gathered: list = [None] * self.roles.world
-        torch.distributed.all_gather_object(gathered, mine)
-        return sorted((r for part in gathered for r in part), key=lambda r: r.group)
+        return gather_rollouts(mine)
 
     def release(self) -> int:
         return 0  # the trainer ranks hold no KV cache; the rollout ranks keep theirs

@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from unified.errors import UserError
 from unified.rlhf.algorithms import (PolicyObjective, Prompt, algorithm, check_rlhf_config, rollout_seed, score_rollouts,
                                      value_head)
-from unified.rlhf.placement import Colocated, Roles, Separate
+from unified.rlhf.placement import Colocated, Roles, Separate, Share
 from unified.rlhf.whole_weights import WholeWeights
 from unified.rlhf.rewards import load_reward
 from unified.rlhf.tasks import read_prompts, task_prompts
@@ -51,13 +51,11 @@ def _check_run(cfg):
                         f"of the whole world (barriers at set-up, checks of its parameter trace at every forward) "
                         f"that the rollout ranks of rlhf.mode=separate cannot join; use train.zero_stage=0, 1 or 2 "
                         f"there, or rlhf.mode=colocated")
-    if not roles.separate and roles.world > 1:
-        raise UserError(f"recipe={cfg.job} colocated runs on one rank for now; with {roles.world} ranks, "
-                        f"set rlhf.mode=separate (trainer and rollout ranks)")
     if len(roles.trainers) > cfg.rlhf.prompts_per_step:
         raise UserError(f"rlhf.prompts_per_step={cfg.rlhf.prompts_per_step} leaves some of the {len(roles.trainers)} "
                         f"trainer ranks without a prompt group to train on: raise rlhf.prompts_per_step to at least "
-                        f"{len(roles.trainers)} or give rlhf.rollout_ranks more of the {roles.world} ranks")
+                        f"{len(roles.trainers)}" + (f" or give rlhf.rollout_ranks more of the {roles.world} ranks"
+                                                     if roles.separate else " or launch fewer ranks"))
     return None if cfg.rlhf.reward_model is not None else load_reward(cfg.rlhf.reward)  # the model loads later
 
 
@@ -182,7 +180,7 @@ def run_rlhf(cfg) -> list[dict]:
     trainer = learner = None
     if trains:
         critic = value_head(model) if rc.algorithm == "ppo" else None
-        trainer = initialize(model, tc, runtime.dtype, len(roles.trainers) if roles.separate else 1, steps,
+        trainer = initialize(model, tc, runtime.dtype, len(roles.trainers), steps,
                              PolicyObjective(model, rc, critic),
                              data_parallel_group=rollouts.trainer_group if roles.separate else None)
         whole = WholeWeights(trainer.module, partitioned=tc.zero_stage == 3)
@@ -190,7 +188,7 @@ def run_rlhf(cfg) -> list[dict]:
             rollouts.whole = whole
         else:
             with whole():
-                rollouts = Colocated(engine(), model, whole)
+                rollouts = Colocated(engine(), model, whole, Share(torch.distributed.get_rank(), roles.world))
         learner = algorithm(rc.algorithm)(rollouts, trainer, reward, rc, reference, seed=cfg.seed,
                                           max_grad_norm=tc.max_grad_norm)
     output.mkdir(parents=True, exist_ok=True)
