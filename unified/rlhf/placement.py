@@ -14,12 +14,13 @@ on one rank or, with `rlhf.rollout_parallel` (tensor, pipeline, expert parallel)
 with megatron groups of its own: unified.runtime.role_layouts; an engine's first rank drives it and the
 others follow its steps). Engine e of E answers a share of the step's prompts (prompt i goes to engine i
 mod E, sampled with prompt i's seed, so the completions do not depend on how many engines there are);
-the completions are gathered on every rank. The trainer ranks are data-parallel (DeepSpeed over their own group): trainer t
-of T trains on the completions of prompts i with i mod T = t (`Share`), weighting its loss so that the
-averaged gradients are those of the whole batch. After each update the first trainer rank broadcasts the trained parameters (the LoRA adapters, or every weight) to
-the rollout ranks in buckets of `rlhf.sync_bucket_mb`, one flat tensor per bucket and dtype, and reports
-the bytes and seconds it took: as they are where the rollout engines hold whole parameters too, else
-under their HF names, each rollout rank taking its own part (unified.rlhf.resharding).
+the completions are gathered on every rank. The trainer ranks are data-parallel (DeepSpeed over their
+own group): trainer t of T trains on the completions of prompts i with i mod T = t (`Share`), weighting
+its loss so that the averaged gradients are those of the whole batch. After each update the first
+trainer rank broadcasts the trained parameters (the LoRA adapters, or every weight) to the rollout ranks
+in buckets of `rlhf.sync_bucket_mb`, one flat tensor per bucket and dtype, and reports the bytes and
+seconds it took: as they are where the rollout engines hold whole parameters too, else under their HF
+names, each rollout rank taking its own part (unified.rlhf.resharding).
 """
 from __future__ import annotations
 

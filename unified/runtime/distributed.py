@@ -59,8 +59,8 @@ def layout_world() -> int:
     roles with layouts of their own (unified.runtime.role_layouts)."""
     from megatron.core import parallel_state
 
-    return (parallel_state.get_tensor_model_parallel_world_size() * parallel_state.get_pipeline_model_parallel_world_size()
-            * parallel_state.get_data_parallel_world_size())
+    return (parallel_state.get_tensor_model_parallel_world_size()
+            * parallel_state.get_pipeline_model_parallel_world_size() * parallel_state.get_data_parallel_world_size())
 
 
 def current_layout() -> Layout:
