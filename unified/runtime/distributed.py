@@ -50,8 +50,22 @@ def shutdown_distributed(wait_for_peers: bool) -> None:
         return
     if wait_for_peers and dist.get_world_size() > 1:
         dist.barrier()
+        _unlink_deepspeed_shm_buffer(dist.get_rank())  # every peer has mapped it long since
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+def _unlink_deepspeed_shm_buffer(rank: int) -> None:
+    """DeepSpeed's shared-memory all-reduce on CPU (its shm comm op) creates a 66 MiB POSIX shared-memory
+    segment per rank, named after the launch's MASTER_ADDR and MASTER_PORT, and never unlinks it: every
+    multi-rank CPU run would leave its segments in /dev/shm, holding RAM until the host restarts. The name
+    only serves the peers opening it at start-up; unlinking it frees the memory once the last mapping goes."""
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    try:
+        os.unlink(name)
+    except (FileNotFoundError, PermissionError, IsADirectoryError):
+        pass
 
 
 def layout_world() -> int:
