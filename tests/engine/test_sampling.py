@@ -195,3 +195,30 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(engine, stop_ids):
     with pytest.raises(InvalidRequest, match=r"stop_token_ids must be token ids in \[0, 160\)"):
         engine.add_request(PROMPT, SamplingParams(max_tokens=2, stop_token_ids=stop_ids))
     assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["all-sampled", "with-greedy-rows"])
+def test_draws_follow_the_softmax_across_vocabulary_chunks(mixed):
+    """The batched two-level draw (chunk sums, then one chunk's cumulative sum) against the softmax: a
+    chi-square test over a vocabulary of three chunks, one of them without mass; no draw lands on -inf."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows, rounds, temperature = 2500, 64, 40, 0.8
+    logits = torch.randn(vocab, generator=generator) * 2
+    logits[1024:2048] = float("-inf")
+    logits[2490:] = float("-inf")
+    seqs = [Sequence("r", i, [1], SamplingParams(temperature=temperature, seed=i), seed=i) for i in range(rows)]
+    if mixed:
+        seqs[0] = Sequence("g", 0, [1], SamplingParams(temperature=0), seed=0)
+    counts = torch.zeros(vocab)
+    for _ in range(rounds):
+        tokens, _ = sample(logits.expand(rows, vocab).clone(), seqs)
+        assert not mixed or tokens[0] == int(logits.argmax())
+        counts += torch.bincount(torch.tensor(tokens[1:] if mixed else tokens), minlength=vocab)
+    expected = torch.softmax(logits / temperature, -1) * counts.sum()
+    assert counts[expected == 0].sum() == 0
+    common = expected >= 5  # the chi-square approximation needs >= 5 expected per cell; pool the rest
+    observed = torch.cat([counts[common], counts[~common].sum().view(1)])
+    wanted = torch.cat([expected[common], expected[~common].sum().view(1)])
+    chi_square = float(((observed - wanted) ** 2 / wanted).sum())
+    dof = len(wanted) - 1
+    assert chi_square < dof + 4 * math.sqrt(2 * dof), (chi_square, dof)

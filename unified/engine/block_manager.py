@@ -4,6 +4,11 @@ A full block is keyed by a chained hash of its tokens (the previous block's hash
 any extra content such as image hashes), so two requests that share a prefix share its blocks. Freed
 blocks keep their hash and stay findable until they are handed out again, oldest-freed first (LRU).
 Invariant: a block is in `free` exactly when its reference count is zero.
+
+Blocks in flight: the full prompt blocks an admitted sequence is about to compute are known by their
+hashes before they exist. A new sequence whose first uncached block is one of them holds back
+(`allocate_prefix` says so) and finds it cached a step or so later, instead of computing the same K/V
+again: n samples of one prompt, or many requests behind one system prompt, compute their shared prefix once.
 """
 from __future__ import annotations
 
@@ -39,6 +44,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}
+        self.in_flight: dict[bytes, Sequence] = {}  # hash of a prompt block being computed -> its sequence
         self.hit_tokens = 0
         self.queried_tokens = 0
 
@@ -70,31 +76,51 @@ class BlockManager:
             hashes.append(parent)
         return hashes
 
-    def allocate_prefix(self, seq: Sequence) -> int:
-        """Gives a new sequence the cached blocks of its longest cached prefix; returns tokens covered.
+    def allocate_prefix(self, seq: Sequence) -> int | None:
+        """Gives a new sequence the cached blocks of its longest cached prefix; returns tokens covered, or
+        None (holding no block) when the first block it misses is in flight, computed by an admitted sequence.
 
         At least one prompt token is always left to compute, so the step produces logits.
         """
         assert not seq.block_table
+        seq.blocks_to_publish = []
         if not self.prefix_caching or seq.params.prompt_logprobs is not None:  # those need every prompt token's logits
             return 0
         size = self.block_size
         candidates = (seq.num_tokens - 1) // size
-        self.queried_tokens += candidates * size
-        for i, h in enumerate(self._chain_hashes(seq, candidates)):
+        hashes = self._chain_hashes(seq, candidates)
+        hit = 0
+        for i, h in enumerate(hashes):
             block_id = self.cached.get(h)
             if block_id is None or self.blocks[block_id].token_ids != seq.token_ids[i * size:(i + 1) * size]:
                 break
+            hit += 1
+        if hit < len(hashes) and hashes[hit] in self.in_flight:
+            return None
+        for block_id in (self.cached[h] for h in hashes[:hit]):
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
             seq.block_table.append(block_id)
-        seq.num_hashed_blocks = len(seq.block_table)
-        hit = len(seq.block_table) * size
-        self.hit_tokens += hit
-        seq.num_computed_tokens = seq.num_cached_prompt_tokens = hit
-        return hit
+        seq.num_hashed_blocks = hit
+        seq.blocks_to_publish = hashes[hit:]
+        self.queried_tokens += candidates * size
+        self.hit_tokens += hit * size
+        seq.num_computed_tokens = seq.num_cached_prompt_tokens = hit * size
+        return hit * size
+
+    def mark_in_flight(self, seq: Sequence) -> None:
+        """`seq` was admitted: the prompt blocks it will compute are in flight until published or freed."""
+        if seq.publishes_blocks:
+            for h in seq.blocks_to_publish:
+                self.in_flight.setdefault(h, seq)
+
+    def _land(self, seq: Sequence) -> None:
+        for h in seq.blocks_to_publish:
+            if self.in_flight.get(h) is seq:
+                del self.in_flight[h]
+        seq.blocks_to_publish = []
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
         return self.blocks_needed(seq, num_tokens) <= self.num_free_blocks
@@ -120,10 +146,13 @@ class BlockManager:
                 self.cached.setdefault(block.hash, block.block_id)
             parent = block.hash
             seq.num_hashed_blocks = i + 1
+            if self.in_flight.get(block.hash) is seq:
+                del self.in_flight[block.hash]
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached prefix (after a warm-up or a weight swap, their K/V are stale)."""
         self.cached.clear()
+        self.in_flight.clear()
         for block_id in self.free:
             self.blocks[block_id].hash, self.blocks[block_id].token_ids = None, []
         self.hit_tokens = self.queried_tokens = 0
@@ -142,3 +171,4 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table = []
         seq.num_hashed_blocks = 0
+        self._land(seq)

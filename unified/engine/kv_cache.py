@@ -18,6 +18,7 @@ import torch
 from unified import kernels
 from unified.errors import UserError
 from unified.model.config import ModelConfig
+from unified.runtime.host_memory import prefault_in_background
 
 KV_BITS = {"auto": None, "int8": 8, "int4": 4}
 
@@ -92,6 +93,8 @@ class KVCache:
         self.scales = [[self._scales(shape[:3], e, device) for e in range(self.shape.entries)] if i in layers else None
                        for i in range(num_layers)]
         self.reset_key_centres()
+        if device.type == "cpu":  # the pages are committed meanwhile, not by the first steps' writes
+            prefault_in_background([t for layer in self.values + self.scales if layer for t in layer if t is not None])
 
     def release(self) -> None:
         """Frees the cache tensors (for a training phase, say) until `allocate` makes them again."""

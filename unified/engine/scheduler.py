@@ -5,6 +5,8 @@ prefill continues with as much as the budget allows), then waiting sequences joi
 With chunked prefill off, a prompt joins only when all of it fits the step. When the cache has no
 block for a running sequence, the most recently started sequence is preempted: its blocks are freed
 and it goes back to the front of the queue to be recomputed later, prompt and generated tokens alike.
+A waiting sequence whose next prompt block another sequence is computing right now holds back (keeping its
+place) until that block is in the prefix cache (see BlockManager.allocate_prefix).
 """
 from __future__ import annotations
 
@@ -70,10 +72,12 @@ class Scheduler:
 
         if self.num_preemptions > preemptions_before:
             return scheduled  # memory is short: admit nobody new this step
+        held_back = []  # waiting for a prefix in flight: they keep their place in the queue
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not seq.block_table:
-                self.blocks.allocate_prefix(seq)
+            if not seq.block_table and self.blocks.allocate_prefix(seq) is None:
+                held_back.append(self.waiting.popleft())
+                continue
             remaining = seq.num_tokens - seq.num_computed_tokens
             num_new = min(remaining, budget)
             fits_step = self.chunked_prefill or remaining <= budget
@@ -81,11 +85,13 @@ class Scheduler:
                 self._release_prefix(seq)  # holds no blocks while it waits
                 break
             self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
+            self.blocks.mark_in_flight(seq)
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(held_back))
         return scheduled
 
     def _release_prefix(self, seq: Sequence) -> None:

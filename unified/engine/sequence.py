@@ -28,6 +28,7 @@ class Sequence:
         self.num_cached_prompt_tokens = 0  # of those, found in the prefix cache
         self.block_table: list[int] = []
         self.num_hashed_blocks = 0  # leading blocks already published to the prefix cache
+        self.blocks_to_publish: list[bytes] = []  # hashes of the full prompt blocks it computes (see BlockManager)
         self.publishes_blocks = True  # False once the weights changed under its K/V (until recomputed)
         self.finish_reason: str | None = None
         self.logprobs: list = []  # sampler.TokenLogprob per output token, when asked for

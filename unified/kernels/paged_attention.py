@@ -51,6 +51,13 @@ def _mask(q_len: int, ctx_len: int, sliding_window: int | None, device) -> torch
     return mask
 
 
+def _prefill_mask(q_len: int, ctx_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
+    """A chunk's mask where a window limits it; None where plain causal attention is meant (see _prefill)."""
+    if sliding_window is None or sliding_window >= ctx_len:
+        return None
+    return _mask(q_len, ctx_len, sliding_window, device)
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """What every layer of one step shares (per sliding window): which query rows are one-token decodes, the
@@ -63,7 +70,7 @@ class AttentionPlan:
     decode_lens: torch.Tensor  # [D] int64: each decoding sequence's context length
     visible: torch.Tensor  # [D, 1, 1, L]: which of the first L (longest context) positions each decode sees
     sliding_window: int | None
-    # (sequence, first query row, end row, causal/window mask or None) of each multi-token chunk
+    # (sequence, first query row, end row, window mask or None: causal) of each multi-token chunk
     prefills: list[tuple[int, int, int, torch.Tensor | None]]
 
 
@@ -72,7 +79,7 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
     device = block_tables.device
     spans = [(s, query_start[s], query_start[s + 1]) for s in range(len(context_lens))]
     decodes = [s for s, start, end in spans if end - start == 1]
-    prefills = [(s, start, end, _mask(end - start, context_lens[s], sliding_window, device))
+    prefills = [(s, start, end, _prefill_mask(end - start, context_lens[s], sliding_window, device))
                 for s, start, end in spans if end - start > 1]
     if not decodes:
         empty = block_tables.new_empty(0)
@@ -142,11 +149,35 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         k = _gather(k_cache, k_scale, blocks, ctx_len, kv_bits, q.dtype)  # [ctx, Hkv, Dk]
         v = k[..., :dv] if v_cache is None else _gather(v_cache, v_scale, blocks, ctx_len, kv_bits, q.dtype)
         qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, Dk]
-        attn = F.scaled_dot_product_attention(
-            qs, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
-            enable_gqa=k.shape[1] != q.shape[1])
+        attn = _prefill(qs, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, scale)
         out[start:end] = attn[0].transpose(0, 1)
     return out
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             scale: float) -> torch.Tensor:
+    """One chunk's attention: q [1, Hq, L, Dk] over k, v [1, Hkv, C, D] (C >= L: the chunk's tokens last),
+    causal, or under `mask` (a sliding window). Causal attention never materialises a mask: a chunk with no
+    cached tokens before it is SDPA's own causal case, which skips the blocks above the diagonal (half the
+    work of a masked call); on CPU a chunk over a cached prefix is two flash calls, the prefix unmasked and the
+    chunk causal, merged by their log-sum-exps."""
+    q_len, ctx_len = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    if q_len == ctx_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or q.shape[-1] != v.shape[-1]:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(q_len, ctx_len, None, q.device), scale=scale,
+                                              enable_gqa=gqa)
+    if gqa:
+        k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    split = ctx_len - q_len
+    before, before_lse = flash(q, k[:, :, :split], v[:, :, :split], 0.0, False, scale=scale)
+    own, own_lse = flash(q, k[:, :, split:], v[:, :, split:], 0.0, True, scale=scale)
+    lse = torch.logaddexp(before_lse, own_lse).unsqueeze(-1)  # [1, Hq, L, 1]
+    return before * (before_lse.unsqueeze(-1) - lse).exp() + own * (own_lse.unsqueeze(-1) - lse).exp()
 
 
 def write_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor,

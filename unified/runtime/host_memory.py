@@ -7,12 +7,17 @@ step faulted them in afresh: a 2048-token prefill chunk of SmolLM2 took ~260,000
 kernel time, a fifth of its CPU time, on our 2-core host. With buffers up to 32 MiB served from a heap
 that is never trimmed, those faults happen once. The process's resident memory then stays at its peak,
 as under a device's caching allocator. Larger blocks (KV caches, weights) are still mappings of their
-own, so a calloc'ed KV cache still commits its pages only as they are written.
+own: a calloc'ed KV cache commits its pages as they are first written, unless prefault_in_background
+commits them ahead.
 """
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
+import threading
+
+import torch
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more on 64-bit hosts
@@ -37,3 +42,32 @@ def release_freed_host_memory() -> bool:
     if not hasattr(libc, "malloc_trim"):
         return False
     return bool(libc.malloc_trim(0))
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_PREFAULT_CHUNK = 64 << 20
+
+
+def prefault_in_background(tensors: list[torch.Tensor]) -> threading.Thread | None:
+    """Commits the pages of freshly calloc'ed host tensors (a KV cache) from a background thread, so that
+    the engine's first steps do not fault them in one by one as they write: a fault costs microseconds on a
+    virtual machine, and a 2 GiB cache written for the first time took ~70 us more per K/V write of a decode
+    step. MADV_POPULATE_WRITE never changes what the pages hold, so steps may write meanwhile. The thread
+    keeps the tensors alive until it is done. None where the kernel cannot (before Linux 5.14, not Linux)."""
+    if not sys.platform.startswith("linux") or not tensors:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def populate() -> None:
+        for tensor in tensors:
+            start = tensor.data_ptr() // page * page
+            end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+            for offset in range(start, end, _PREFAULT_CHUNK):
+                if libc.madvise(offset, min(_PREFAULT_CHUNK, end - offset), _MADV_POPULATE_WRITE) != 0:
+                    return  # EINVAL: a kernel without it; the pages fault in as written
+
+    thread = threading.Thread(target=populate, name="kv-cache-prefault", daemon=True)
+    thread.start()
+    return thread
