@@ -125,13 +125,21 @@ def test_packed_rows_compute_what_each_completion_alone_does(runtime, tiny_check
 
 
 def test_ppo_values_start_at_zero_and_learn(runtime, tiny_checkpoint):
-    ppo = _grpo(tiny_checkpoint, algorithm="ppo", num_generations=2, kl_coef=0.05, kl_estimator="k1", vf_coef=1.0)
-    rng = random.Random(0)
-    first = ppo.step(_prompts(rng, 8))
+    # no KL penalty: the returns are the rewards alone, so they do not grow as the policy drifts
+    ppo = _grpo(tiny_checkpoint, algorithm="ppo", num_generations=2, kl_coef=0.0, kl_estimator="k1", vf_coef=1.0)
+    prompts = _prompts(random.Random(0), 8)
+    first = ppo.step(prompts)
     assert first["values/mean"] == 0.0 and first["value_loss"] > 0
-    later = [ppo.step(_prompts(rng, 8)) for _ in range(5)]
+    later = [ppo.step(prompts) for _ in range(7)]
     assert later[-1]["values/mean"] != 0.0
-    assert later[-1]["value_loss"] < first["value_loss"], [m["value_loss"] for m in [first, *later]]
+
+    # The rewards grow as the policy learns, and the loss of any value estimate with them; so the loss is
+    # judged against what predicting zero would cost, which grows with the returns' second moment.
+    def unexplained(m: dict) -> float:
+        return m["value_loss"] / (m["reward"] ** 2 + m["reward_std"] ** 2)
+
+    ratios = [unexplained(m) for m in [first, *later]]
+    assert sum(ratios[-3:]) / 3 < 0.8 * ratios[0], ratios
 
 
 @pytest.mark.parametrize("options,words", [({"num_generations": 1}, "at least 2"),

@@ -77,8 +77,13 @@ def test_a_failing_gate_keeps_the_served_weights(served, tiny_chat_checkpoint, t
 
 def test_served_model_learns_accepted_replies_while_a_client_chats(served, tiny_chat_checkpoint, tmp_path):
     accepted = {}
-    for seed, prompt in enumerate(PROMPTS):  # explore: sampled replies, which the user accepts
-        response_id, reply = _chat(served, prompt, temperature=1.0, seed=seed, max_tokens=6)
+    seeds = iter(range(100))
+    for prompt in PROMPTS:  # explore: sampled replies, which the user accepts
+        # one that starts unlike every reply accepted so far: after a shared first token the tiny model can
+        # hardly tell the prompts apart, and learns one continuation for both
+        response_id, reply = _chat(served, prompt, temperature=1.0, seed=next(seeds), max_tokens=6)
+        while reply.strip()[:4] in [r.strip()[:4] for r in accepted.values()]:
+            response_id, reply = _chat(served, prompt, temperature=1.0, seed=next(seeds), max_tokens=6)
         _feedback(served, response_id, accepted=True)
         accepted[prompt] = reply
     rejected_id, _ = _chat(served, "Name a song.", temperature=1.0, seed=7, max_tokens=6)

@@ -64,6 +64,8 @@ class EngineStats:
     fragmentation: float  # allocated-but-unfilled slots over allocated slots
     prefix_hit_rate: float  # prompt tokens found in the prefix cache over tokens looked up
     preemptions: int
+    prefix_queried_tokens: int = 0  # since the last reset of the prefix cache (warm-up, weight swap)
+    prefix_hit_tokens: int = 0
 
     @property
     def kv_usage(self) -> float:
@@ -187,7 +189,8 @@ class LLMEngine:
             used_blocks=blocks.num_used_blocks, total_blocks=blocks.num_blocks,
             fragmentation=1 - sum(filled.values()) / allocated if allocated else 0.0,
             prefix_hit_rate=blocks.hit_tokens / blocks.queried_tokens if blocks.queried_tokens else 0.0,
-            preemptions=self.scheduler.num_preemptions)
+            preemptions=self.scheduler.num_preemptions, prefix_queried_tokens=blocks.queried_tokens,
+            prefix_hit_tokens=blocks.hit_tokens)
 
     def follow(self, ignore_signals: bool = True) -> None:
         """Non-driver ranks: serve the driver's steps until it releases them (`release_followers`, or its

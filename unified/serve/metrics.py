@@ -43,6 +43,11 @@ class ServerMetrics:
                                    "Allocated but unfilled KV slots over allocated slots", registry=r)
         self.prefix_hit_rate = Gauge("unified_prefix_cache_hit_rate",
                                      "Prompt tokens found in the prefix cache over tokens looked up", registry=r)
+        # vLLM's prefix_cache_queries / prefix_cache_hits, in tokens
+        self.prefix_queries = Counter("unified_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("unified_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
+        self._prefix_seen = (0, 0)  # the engine's (queried, hit) tokens at the last refresh
         self.preemptions = Gauge("unified_num_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
         self.collective_seconds = Histogram("unified_collective_seconds",
                                             "Time per engine step in each kind of collective (distributed only)",
@@ -81,6 +86,12 @@ class ServerMetrics:
         self.kv_total_blocks.set(stats.total_blocks)
         self.fragmentation.set(stats.fragmentation)
         self.prefix_hit_rate.set(stats.prefix_hit_rate)
+        now = (stats.prefix_queried_tokens, stats.prefix_hit_tokens)
+        if now[0] < self._prefix_seen[0]:  # the engine reset its prefix cache (a weight swap): count afresh
+            self._prefix_seen = (0, 0)
+        self.prefix_queries.inc(now[0] - self._prefix_seen[0])
+        self.prefix_hits.inc(now[1] - self._prefix_seen[1])
+        self._prefix_seen = now
         self.preemptions.set(stats.preemptions)
 
     def weight_updated(self, nbytes: int, seconds: float, version: int) -> None:
