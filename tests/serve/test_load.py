@@ -65,11 +65,10 @@ def test_a_cached_prefix_shows_as_hits_in_metrics(server):
     body = {"model": server.model_name, "max_tokens": 1, "temperature": 0}
     queries, hits = server.metric("unified_prefix_cache_queries_total"), server.metric("unified_prefix_cache_hits_total")
     for tail in ("First question?", "Second question?"):
-        prompt = httpx.post(server.base_url + "/v1/completions", json={**body, "prompt": f"{system}\n{tail}"},
-                            timeout=60)
-        assert prompt.status_code == 200, prompt.text
-        prompt = prompt.json()["usage"]["prompt_tokens"]
-        assert prompt >= 512 + 4
+        response = httpx.post(server.base_url + "/v1/completions", json={**body, "prompt": f"{system}\n{tail}"},
+                              timeout=60)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] >= 512 + 4
     _wait_idle(server)
     assert server.metric("unified_prefix_cache_queries_total") - queries >= 2 * 512
     assert server.metric("unified_prefix_cache_hits_total") - hits >= 512
