@@ -147,3 +147,35 @@ def test_engine_caches_start_zeroed_without_committing_their_pages():
     assert not cache[::97].any() and not cache[-1].any()
     for dtype in (torch.bfloat16, torch.uint8, torch.int8, torch.float16):
         assert not zeroed((3, 16, 2, 5), dtype, torch.device("cpu")).any()
+
+
+@pytest.mark.parametrize("decode_path", ["cpu-kernel"], indirect=True)
+@pytest.mark.parametrize("q_heads,kv_heads,dim,dim_v,window", [
+    (8, 2, 64, 64, None),  # Llama-like GQA
+    (8, 4, 128, 128, 40),  # Qwen3-like, sliding window
+    (10, 2, 48, 48, None),  # a group of 5 (tiles of 60 rows)
+    (4, 1, 80, 64, None),  # MLA-like: no value cache, values the first 64 channels of the keys
+])
+def test_prefill_kernel_at_model_sizes_matches_the_reference(decode_path, q_heads, kv_heads, dim, dim_v, window):
+    """Chunks from scratch and over a cached prefix, lengths not tile- or block-aligned, beside decodes; the C++
+    prefill kernel against the plain-PyTorch gather + SDPA."""
+    if not hasattr(torch.ops.unified_cpu, "paged_prefill_"):
+        pytest.skip("the prefill kernel is built for AVX-512 machines")
+    g = torch.Generator().manual_seed(2)
+    block, lens, query_lens = 16, [150, 1, 300, 77, 40], [150, 1, 97, 1, 33]
+    width = -(-max(lens) // block)
+    k_cache = torch.randn(120, block, kv_heads, dim, generator=g)
+    v_cache = None if dim_v != dim else torch.randn(120, block, kv_heads, dim_v, generator=g)
+    tables = torch.randperm(120, generator=g)[:len(lens) * width].view(len(lens), width)
+    query_start = [0]
+    for n in query_lens:
+        query_start.append(query_start[-1] + n)
+    q = torch.randn(query_start[-1], q_heads, dim, generator=g)
+    assert paged_attention_module._cpu_prefill_kernel_applies(q, k_cache, v_cache, None, dim_v)
+    kernel = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, lens, 0.1, sliding_window=window,
+                                     v_head_dim=dim_v)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_attention_module, "_cpu_decode_kernel_applies", lambda *args: False)
+        reference = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, lens, 0.1,
+                                            sliding_window=window, v_head_dim=dim_v)
+    torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)

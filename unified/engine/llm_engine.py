@@ -91,7 +91,7 @@ class LLMEngine:
         self.eos_token_ids = set(eos_token_ids or ())
         if device.type == "cpu":
             retain_freed_host_memory()  # steps would otherwise fault their activations in afresh
-            cpu_ops.available()  # builds the C++ kernels now, not inside the first request
+            cpu_ops.cache_host_allocations()  # those above glibc's 32 MiB heap limit too (builds the kernels now)
         if engine_cfg.packed_weights:
             model.pack_weights()
         self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes, accelerator, engine_cfg.image_prefetch,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from unified import kernels
 from unified.engine.sequence import Sequence
 
 PENALTY_RANGE = (1e-4, 1e4)  # repetition penalties past these act alike, and keep float32 logits finite
@@ -135,7 +136,7 @@ def _choose_plain(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int 
     tokens: list[int | None] = [None] * len(seqs)
     processed = list(logits)
     if len(sampled) < len(seqs):
-        tokens = logits.argmax(-1).tolist()
+        tokens = kernels.argmax_rows(logits).tolist()
     if sampled:
         every = len(sampled) == len(seqs)  # then `logits` is sample()'s own and may be overwritten
         index = None if every else torch.tensor(sampled, device=logits.device)
@@ -179,7 +180,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int | Excep
     plain_greedy = all(s.params.greedy and s.params.repetition_penalty == 1.0 and not s.params.presence_penalty
                        and not s.params.frequency_penalty for s in seqs)
     if plain_greedy:
-        batched, processed_rows = logits.max(-1).indices.tolist(), logits  # max: 2.5x faster than argmax on CPU
+        batched, processed_rows = kernels.argmax_rows(logits).tolist(), logits
     else:
         plain = [i for i, s in enumerate(seqs) if _plain(s.params)]
         batched, processed_rows = [None] * len(seqs), None

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from unified.errors import UserError
+from unified.kernels import cpu_ops
 from unified.runtime.host_memory import release_freed_host_memory
 
 
@@ -46,6 +47,7 @@ def restore_weights(model: torch.nn.Module, shapes: dict[str, torch.Size]) -> No
 
 def give_memory_back(device: torch.device, accelerator) -> None:
     if device.type == "cpu":
+        cpu_ops.empty_host_cache()
         release_freed_host_memory()
     elif accelerator is not None:
         accelerator.empty_cache()

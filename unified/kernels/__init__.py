@@ -4,12 +4,13 @@ Each op has a plain-PyTorch reference (any device, the ground truth in tests) an
 a faster path chosen by the input's device and dtype.
 """
 from unified.kernels.activation import gated_activation, gated_activation_reference
+from unified.kernels.argmax import argmax_rows, argmax_rows_reference
 from unified.kernels.cpu_ops import training_path
 from unified.kernels.kv_quant import dequantize_kv, packed_dim, quantize_kv, scale_layout
 from unified.kernels.linear import PackedWeight, linear, pack_weight, takes_inference_path
 from unified.kernels.paged_attention import AttentionPlan, paged_attention, plan_paged_attention, write_kv
 from unified.kernels.rms_norm import rms_norm, rms_norm_reference
 
-__all__ = ["AttentionPlan", "PackedWeight", "dequantize_kv", "gated_activation", "gated_activation_reference", "linear",
+__all__ = ["AttentionPlan", "PackedWeight", "argmax_rows", "argmax_rows_reference", "dequantize_kv", "gated_activation", "gated_activation_reference", "linear",
            "pack_weight", "packed_dim", "paged_attention", "plan_paged_attention", "quantize_kv", "rms_norm",
            "rms_norm_reference", "scale_layout", "takes_inference_path", "training_path", "write_kv"]

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / "cpu_kernels.cpp"]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "attention_avx512.cpp", "host_allocator.cpp")]
 STALE_LOCK_SECONDS = 600
 # The ATen vector width each CPU capability compiles Vectorized<float> for, and the flags it needs.
 _CAPABILITY_FLAGS = {
@@ -97,6 +97,22 @@ def _build() -> None:
     log.info("loading the C++ CPU kernels (the first load on a machine compiles them: 20-40 s)")
     load(name=_name(), sources=[str(s) for s in SOURCES], extra_cflags=["-O3", "-fopenmp", *flags],
          extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False)
+
+
+def cache_host_allocations() -> bool:
+    """Installs csrc/host_allocator.cpp's caching allocator for CPU tensors (blocks of 1 MiB and more are kept
+    when freed, up to an eighth of the machine's memory, and handed out again), so that an engine step does not
+    page-fault its large activations in afresh every time. False where the kernels are not built."""
+    if not available():
+        return False
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    torch.ops.unified_cpu.cache_host_allocations(1 << 20, memory // 8)
+    return True
+
+
+def empty_host_cache() -> int:
+    """Frees the caching allocator's free blocks (what a device's empty_cache does); the bytes released."""
+    return torch.ops.unified_cpu.empty_host_cache() if available() else 0
 
 
 def build_and_report() -> None:

@@ -9,10 +9,12 @@ channels of the keys (MLA's absorbed latent cache).
 This plain-PyTorch version is the reference and the path on every device. It reads only the blocks
 of the sequences in the batch, never the whole cache: all one-token (decode) queries go through a
 single gather of their blocks, padded to the longest context, and one masked SDPA; each multi-token
-(prefill) chunk gathers its own blocks and runs one SDPA. On CPU, float32 decodes over unquantised
-caches instead go through a C++ kernel (csrc/cpu_kernels.cpp) that reads the rows in place
-through the block tables, with no gathered copy: about 2x faster than gather + SDPA for 64
-SmolLM2-shaped sequences of 150-200 tokens. Decodes read whole blocks and mask the slots past each
+(prefill) chunk gathers its own blocks and runs one SDPA. On CPU, float32 attention over unquantised
+caches instead goes through C++ kernels that read the rows in place through the block tables, with no
+gathered copy: decodes through csrc/cpu_kernels.cpp's paged_decode, and on AVX-512 builds all of a
+step's prefill chunks through one call of csrc/paged_prefill.cpp (a flash-style kernel that reads each
+K/V row once for a tile of query positions times the query heads sharing it, skipping the tiles above
+the causal diagonal). Decodes read whole blocks and mask the slots past each
 sequence's end, so those slots must hold finite values (a masked NaN still gives 0 * NaN): caches start
 zeroed. Quantised caches (int8/int4, see kv_quant.py) are dequantised right after the gather; int4 keys
 come back shifted by their cache's constant centre, which leaves the softmax unchanged.
@@ -72,6 +74,8 @@ class AttentionPlan:
     sliding_window: int | None
     # (sequence, first query row, end row, window mask or None: causal) of each multi-token chunk
     prefills: list[tuple[int, int, int, torch.Tensor | None]]
+    # the same chunks as int64 tensors for the CPU kernel: sequences, first rows, lengths, context lengths
+    prefill_chunks: tuple[torch.Tensor, ...] = ()
 
 
 def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], context_lens: list[int],
@@ -81,9 +85,12 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
     decodes = [s for s, start, end in spans if end - start == 1]
     prefills = [(s, start, end, _prefill_mask(end - start, context_lens[s], sliding_window, device))
                 for s, start, end in spans if end - start > 1]
+    chunks = tuple(torch.tensor(column, dtype=torch.int64, device=device) for column in
+                   zip(*[(s, start, end - start, context_lens[s]) for s, start, end, _ in prefills])) if prefills else ()
     if not decodes:
         empty = block_tables.new_empty(0)
-        return AttentionPlan(None, [], empty, empty, torch.empty(0, dtype=torch.bool), sliding_window, prefills)
+        return AttentionPlan(None, [], empty, empty, torch.empty(0, dtype=torch.bool), sliding_window, prefills,
+                             chunks)
     lens = [context_lens[s] for s in decodes]
     width = -(-max(lens) // block_size)
     tables = block_tables if len(decodes) == len(spans) else block_tables[torch.tensor(decodes, device=device)]
@@ -94,13 +101,20 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
         visible &= k_pos >= lens_t - sliding_window
     rows = None if not prefills else torch.tensor([query_start[s] for s in decodes], device=device)
     return AttentionPlan(rows, decodes, tables[:, :width].contiguous(), lens_t[:, 0], visible[:, None, None, :],
-                         sliding_window, prefills)
+                         sliding_window, prefills, chunks)
 
 
 def _cpu_decode_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                                kv_bits: int | None) -> bool:
     return (q.device.type == "cpu" and kv_bits is None and q.dtype == k_cache.dtype == torch.float32
             and (v_cache is None or v_cache.dtype == torch.float32) and cpu_ops.available())
+
+
+def _cpu_prefill_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
+                                kv_bits: int | None, dv: int) -> bool:
+    return (_cpu_decode_kernel_applies(q, k_cache, v_cache, kv_bits) and dv % 16 == 0
+            and q.shape[1] // k_cache.shape[2] <= 64
+            and hasattr(torch.ops.unified_cpu, "paged_prefill_"))  # AVX-512 builds only
 
 
 def _decode_batch(q: torch.Tensor, k_cache, v_cache, k_scale, v_scale, plan: AttentionPlan, scale: float,
@@ -143,6 +157,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if plan.decode_seqs:  # decodes mixed with prefill chunks
         out[plan.decode_rows] = _decode_batch(q[plan.decode_rows], k_cache, v_cache, k_scale, v_scale, plan, scale,
                                               kv_bits, dv)
+    if _cpu_prefill_kernel_applies(q, k_cache, v_cache, kv_bits, dv):
+        torch.ops.unified_cpu.paged_prefill_(out, q.contiguous(), k_cache, v_cache, block_tables.contiguous(),
+                                             *plan.prefill_chunks, scale, plan.sliding_window or 0)
+        return out
     for s, start, end, mask in plan.prefills:
         ctx_len = context_lens[s]
         blocks = block_tables[s, : -(-ctx_len // block_size)]

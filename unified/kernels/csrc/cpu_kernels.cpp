@@ -19,8 +19,16 @@
 #include <cmath>
 #include <vector>
 
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512)
+namespace unified_avx512 {  // attention_avx512.cpp
+void paged_decode(float* out, const float* q, const float* k_cache, const float* v_cache, int64_t v_row,
+                  const int64_t* tables, int64_t width, const int64_t* lens, int64_t seqs, int64_t q_heads,
+                  int64_t kv_heads, int64_t block_size, int64_t dk, int64_t dv, float scale, int64_t sliding_window);
+}
 #endif
 
 namespace {
@@ -48,9 +56,16 @@ inline float dot(const float* a, const float* b, int64_t n) {
 // out[j] = the sum of acc[j]'s lanes, for eight accumulators (on AVX2 by a tree of horizontal adds, ~10
 // instructions for all eight instead of a full reduction each).
 inline void reduce8(Vec* acc, float* out) {
-#if defined(CPU_CAPABILITY_AVX2)
-  const __m256 t0 = _mm256_hadd_ps(acc[0], acc[1]), t1 = _mm256_hadd_ps(acc[2], acc[3]);
-  const __m256 t2 = _mm256_hadd_ps(acc[4], acc[5]), t3 = _mm256_hadd_ps(acc[6], acc[7]);
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512)
+  __m256 half[8];  // each accumulator's two 256-bit halves added, then the AVX2 tree
+  for (int j = 0; j < 8; ++j)
+    half[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]), _mm512_extractf32x8_ps(__m512(acc[j]), 1));
+#else
+  const __m256* half = reinterpret_cast<const __m256*>(acc);
+#endif
+  const __m256 t0 = _mm256_hadd_ps(half[0], half[1]), t1 = _mm256_hadd_ps(half[2], half[3]);
+  const __m256 t2 = _mm256_hadd_ps(half[4], half[5]), t3 = _mm256_hadd_ps(half[6], half[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
   // u0 holds rows 0-3 in each 128-bit half, u1 rows 4-7: add the halves.
   _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31)));
@@ -102,6 +117,49 @@ inline void weighted_sum(const float* weights, const std::vector<const float*>& 
   }
 }
 
+// out[g][0:n] = sum_i weights[g * count + i] * rows[i][0:n] for `queries` weight rows, one pass over the rows
+// (each row read once for all queries): four queries times 64 channels of sums stay in registers.
+inline void weighted_sums(const float* weights, int64_t count, int64_t queries, const std::vector<const float*>& rows,
+                          float* out, int64_t n) {
+  constexpr int64_t w = Vec::size();
+  for (int64_t g0 = 0; g0 < queries; g0 += 4) {
+    const int64_t gs = std::min<int64_t>(4, queries - g0);
+    if (gs < 4 || n % (4 * w) != 0) {  // an odd group or width: one query at a time
+      for (int64_t g = g0; g < g0 + gs; ++g) weighted_sum(weights + g * count, rows, out + g * n, n);
+      continue;
+    }
+    const float* w0 = weights + g0 * count;
+    for (int64_t d = 0; d < n; d += 4 * w) {
+      Vec acc[4][4];
+      for (int g = 0; g < 4; ++g)
+        for (int c = 0; c < 4; ++c) acc[g][c] = Vec(0.f);
+      for (int64_t i = 0; i < count; ++i) {
+        const float* x = rows[i] + d;
+        const Vec x0 = Vec::loadu(x), x1 = Vec::loadu(x + w), x2 = Vec::loadu(x + 2 * w), x3 = Vec::loadu(x + 3 * w);
+        for (int g = 0; g < 4; ++g) {
+          const Vec p(w0[g * count + i]);
+          acc[g][0] = at::vec::fmadd(p, x0, acc[g][0]);
+          acc[g][1] = at::vec::fmadd(p, x1, acc[g][1]);
+          acc[g][2] = at::vec::fmadd(p, x2, acc[g][2]);
+          acc[g][3] = at::vec::fmadd(p, x3, acc[g][3]);
+        }
+      }
+      for (int g = 0; g < 4; ++g)
+        for (int c = 0; c < 4; ++c) acc[g][c].store(out + (g0 + g) * n + d + c * w);
+    }
+  }
+}
+
+// Asks for a row's cache lines ahead of its use: rows of a head are strided through the cache (the other heads'
+// rows lie between them), a pattern the hardware prefetchers barely follow, so loads would wait on memory one
+// row at a time. kRowsAhead rows ahead covers the memory latency at the rate the dot products consume them.
+constexpr int64_t kRowsAhead = 64;
+
+template <int Locality>
+inline void prefetch_row(const float* row, int64_t n) {
+  for (int64_t d = 0; d < n; d += 16) __builtin_prefetch(row + d, 0, Locality);
+}
+
 inline void softmax_inplace(float* row, int64_t n) {
   const float top = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, row, n);
   at::vec::map([top](Vec x) { return (x - Vec(top)).exp(); }, row, row, n);
@@ -140,6 +198,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const st
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
   const float softmax_scale = static_cast<float>(scale);
+#if defined(CPU_CAPABILITY_AVX512)
+  if (dv % 16 == 0) {
+    unified_avx512::paged_decode(op, qp, kp, vp, v_row, tables, width, lens, seqs, q_heads, kv_heads, block_size, dk,
+                                 dv, softmax_scale, sliding_window);
+    return out;
+  }
+#endif
 
   // One task per (sequence, KV head): its K/V rows are read once for the whole group of query heads.
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -162,18 +227,19 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const st
       const float* qs = qp + (s * q_heads + h * group) * dk;
       for (int64_t i = 0; i < group * dk; ++i) queries[i] = qs[i] * softmax_scale;
       scores.resize(group * n);
-      for (int64_t g = 0; g < group; ++g) {
-        const float* query = queries.data() + g * dk;
-        float* row = scores.data() + g * n;
-        int64_t i = 0;
-        for (; i + 8 <= n; i += 8) dot8(query, keys.data() + i, dk, row + i);
-        for (; i < n; ++i) row[i] = dot(query, keys[i], dk);
+      // One pass over the keys for the whole group: eight rows at a time, dotted with each query while in L1.
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        for (int64_t j = i + kRowsAhead; j < std::min(n, i + kRowsAhead + 8); ++j) {
+          prefetch_row<3>(keys[j], dk);
+          prefetch_row<2>(values[j], dv);  // for the value pass, which starts when the keys are done
+        }
+        for (int64_t g = 0; g < group; ++g) dot8(queries.data() + g * dk, keys.data() + i, dk, scores.data() + g * n + i);
       }
-      float* out_s = op + (s * q_heads + h * group) * dv;
-      for (int64_t g = 0; g < group; ++g) {
-        softmax_inplace(scores.data() + g * n, n);
-        weighted_sum(scores.data() + g * n, values, out_s + g * dv, dv);
-      }
+      for (; i < n; ++i)
+        for (int64_t g = 0; g < group; ++g) scores[g * n + i] = dot(queries.data() + g * dk, keys[i], dk);
+      for (int64_t g = 0; g < group; ++g) softmax_inplace(scores.data() + g * n, n);
+      weighted_sums(scores.data(), n, group, values, op + (s * q_heads + h * group) * dv, dv);
     }
   });
   return out;

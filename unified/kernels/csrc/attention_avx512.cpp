@@ -1,0 +1,486 @@
+// Prefill attention over a paged KV cache (AVX-512 builds), float32, registered as
+// torch.ops.unified_cpu.paged_prefill_. Reference: unified/kernels/paged_attention.py (paged_attention's
+// prefill chunks, torch's SDPA over the gathered context).
+//
+// Each multi-token chunk's queries attend causally (optionally within a sliding window) to its sequence's
+// context, whose K/V rows are read in place through the block table. One task is one KV head and a tile of
+// kRows query rows: the tile's positions times the query heads that share the KV head, so each K/V row is
+// read once for the whole group. Per task the tile's queries are packed transposed ([dk, rows], scaled), and
+// the keys stream by in steps of kKeys positions:
+//   S^T [keys, rows] = K Q^T  (a key element broadcast against a vector of 16 query rows),
+//   online softmax down each column (a running max and sum per query row),
+//   O [rows, dv] += P V       (a probability broadcast against a vector of 16 value channels).
+// Neither the keys nor the values are copied or transposed. Tasks are taken longest first and handed out
+// dynamically: under causal attention the last tiles of a chunk read the most keys.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#include <omp.h>
+
+namespace {
+
+constexpr int64_t kRows = 64;  // query rows per task, four vectors of 16
+constexpr int64_t kKeys = 64;  // key positions per step of the online softmax
+constexpr int kLanes = 16;
+constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+
+inline __m512 exp16(__m512 x) { return __m512(at::vec::Vectorized<float>(x).exp_u20()); }
+
+// st[p][0:64] = sum_d keys[p][d] * qt[d][0:64] for P key positions (P x 4 accumulators).
+template <int P>
+inline void score_tile(const float* const* keys, const float* qt, int64_t dk, float* st) {
+  __m512 acc[P][4];
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) acc[p][c] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < dk; ++d) {
+    const float* q = qt + d * kRows;
+    const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16), q2 = _mm512_loadu_ps(q + 32),
+                 q3 = _mm512_loadu_ps(q + 48);
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) {
+      const __m512 k = _mm512_set1_ps(keys[p][d]);
+      acc[p][0] = _mm512_fmadd_ps(k, q0, acc[p][0]);
+      acc[p][1] = _mm512_fmadd_ps(k, q1, acc[p][1]);
+      acc[p][2] = _mm512_fmadd_ps(k, q2, acc[p][2]);
+      acc[p][3] = _mm512_fmadd_ps(k, q3, acc[p][3]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p)
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(st + p * kRows + c * kLanes, acc[p][c]);
+}
+
+using ScoreTile = void (*)(const float* const*, const float*, int64_t, float*);
+constexpr int kScorePositions = 6;
+constexpr ScoreTile kScoreTiles[kScorePositions + 1] = {nullptr, score_tile<1>, score_tile<2>, score_tile<3>,
+                                                         score_tile<4>, score_tile<5>, score_tile<6>};
+
+// o[r][0:16*V] += sum_j pt[j][r] * values[j][0:16*V] for R query rows and V vectors of value channels.
+template <int R, int V>
+inline void value_tile(const float* pt, const float* const* values, int64_t n, float* o, int64_t ldo) {
+  __m512 acc[R][V];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < V; ++c) acc[r][c] = _mm512_loadu_ps(o + r * ldo + c * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 v[V];
+#pragma GCC unroll 4
+    for (int c = 0; c < V; ++c) v[c] = _mm512_loadu_ps(values[j] + c * kLanes);
+    const float* p = pt + j * kRows;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = _mm512_set1_ps(p[r]);
+#pragma GCC unroll 4
+      for (int c = 0; c < V; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(o + r * ldo + c * kLanes, acc[r][c]);
+}
+
+using ValueTile = void (*)(const float*, const float* const*, int64_t, float*, int64_t);
+constexpr int kValueRows = 6;
+// kValueTiles[V - 1][R]: R rows (1-6) x V vectors (1-4) of 16 channels.
+#define UNIFIED_VALUE_ROW(V) \
+  {nullptr, value_tile<1, V>, value_tile<2, V>, value_tile<3, V>, value_tile<4, V>, value_tile<5, V>, value_tile<6, V>}
+constexpr ValueTile kValueTiles[4][kValueRows + 1] = {UNIFIED_VALUE_ROW(1), UNIFIED_VALUE_ROW(2), UNIFIED_VALUE_ROW(3),
+                                                      UNIFIED_VALUE_ROW(4)};
+#undef UNIFIED_VALUE_ROW
+
+struct Task {
+  int64_t chunk, kv_head, first_row;  // first_row: the tile's first row in the chunk's [position, group] order
+  int64_t keys;                       // how many key positions it reads, for ordering
+};
+
+struct Chunk {
+  int64_t seq, q_start, q_len, ctx_len;
+};
+
+// out [T, Hq, dv] rows of the chunks; q [T, Hq, dk]; caches [blocks, block_size, Hkv, D] (v_cache none: the
+// values are the first dv channels of the keys); block_tables [S, W]; chunks: seq [C], q_start [C], q_len [C]
+// (>= 1, the last q_len of the sequence's ctx_len tokens), ctx_len [C]; sliding_window <= 0: none.
+void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                   const std::optional<at::Tensor>& v_cache, const at::Tensor& block_tables,
+                   const at::Tensor& chunk_seqs, const at::Tensor& chunk_starts, const at::Tensor& chunk_lens,
+                   const at::Tensor& context_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && out.dim() == 3, "paged_prefill: q, out [T, H, D], a 4-d cache");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_prefill: float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && out.is_contiguous(), "paged_prefill: contiguous tensors");
+  for (const at::Tensor* t : {&block_tables, &chunk_seqs, &chunk_starts, &chunk_lens, &context_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "paged_prefill: int64 tables and lengths");
+  const int64_t q_heads = q.size(1), dk = q.size(2), dv = out.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), width = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == dk && q_heads % kv_heads == 0 && out.size(0) == q.size(0) && out.size(1) == q_heads,
+              "paged_prefill: q, out and the key cache do not match");
+  TORCH_CHECK(dv % kLanes == 0, "paged_prefill: dv must be a multiple of 16");
+  const float* vp = k_cache.data_ptr<float>();
+  int64_t v_row = dk;
+  if (v_cache.has_value()) {
+    TORCH_CHECK(v_cache->scalar_type() == at::kFloat && v_cache->is_contiguous() &&
+                v_cache->sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), "paged_prefill: value cache mismatch");
+    vp = v_cache->data_ptr<float>();
+    v_row = v_cache->size(3);
+  }
+  TORCH_CHECK(dv <= v_row, "paged_prefill: dv exceeds the value rows");
+  const int64_t group = q_heads / kv_heads;
+  const int64_t positions_per_tile = std::max<int64_t>(1, kRows / group);
+  const int64_t tile_rows = std::min(kRows, positions_per_tile * group);  // < kRows when group > 64 or no divisor
+  TORCH_CHECK(group <= kRows, "paged_prefill: at most 64 query heads per KV head");
+
+  std::vector<Chunk> chunks;
+  const int64_t* seq_p = chunk_seqs.data_ptr<int64_t>();
+  for (int64_t c = 0; c < chunk_seqs.numel(); ++c)
+    chunks.push_back({seq_p[c], chunk_starts.data_ptr<int64_t>()[c], chunk_lens.data_ptr<int64_t>()[c],
+                      context_lens.data_ptr<int64_t>()[c]});
+  std::vector<Task> tasks;
+  for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
+    const Chunk& ch = chunks[c];
+    TORCH_CHECK(ch.q_len >= 1 && ch.q_len <= ch.ctx_len && ch.ctx_len <= width * block_size && ch.seq >= 0 &&
+                    ch.seq < block_tables.size(0) && ch.q_start >= 0 && ch.q_start + ch.q_len <= q.size(0),
+                "paged_prefill: a chunk does not fit its tables");
+    const int64_t rows = ch.q_len * group;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      for (int64_t r = 0; r < rows; r += tile_rows)
+        tasks.push_back({c, h, r, ch.ctx_len - ch.q_len + std::min(rows, r + tile_rows) / group});
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.keys > b.keys; });
+
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float softmax_scale = static_cast<float>(scale);
+  const int64_t task_count = static_cast<int64_t>(tasks.size());
+
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+    std::vector<float> qt(dk * kRows), st(kKeys * kRows), o(kRows * dv);
+    alignas(64) float running_max[kRows], running_sum[kRows];
+    int64_t row_position[kRows];
+    const float* keys[kKeys];
+    const float* values[kKeys];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < task_count; ++t) {
+      const Task& task = tasks[t];
+      const Chunk& ch = chunks[task.chunk];
+      const int64_t h = task.kv_head, rows = std::min(tile_rows, ch.q_len * group - task.first_row);
+      const int64_t offset = ch.ctx_len - ch.q_len;  // the chunk's first query position
+      // Pack Q^T (scaled); rows past `rows` are zero and repeat the last row's position.
+      std::fill(qt.begin(), qt.end(), 0.f);
+      for (int64_t r = 0; r < kRows; ++r) {
+        const int64_t row = task.first_row + std::min(r, rows - 1), position = row / group, head = h * group + row % group;
+        row_position[r] = offset + position;
+        if (r >= rows) continue;
+        const float* src = qp + ((ch.q_start + position) * q_heads + head) * dk;
+        for (int64_t d = 0; d < dk; ++d) qt[d * kRows + r] = src[d] * softmax_scale;
+      }
+      const int64_t lowest = row_position[0], highest = row_position[rows - 1];
+      const int64_t key_begin = sliding_window > 0 ? std::max<int64_t>(0, lowest - sliding_window + 1) : 0;
+      const int64_t key_end = highest + 1;
+      std::fill(running_max, running_max + kRows, kMinusInf);
+      std::fill(running_sum, running_sum + kRows, 0.f);
+      std::fill(o.begin(), o.end(), 0.f);
+      const int64_t* table = tables + ch.seq * width;
+      for (int64_t k0 = key_begin; k0 < key_end; k0 += kKeys) {
+        const int64_t n = std::min(kKeys, key_end - k0);
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t pos = k0 + j, slot = table[pos / block_size] * block_size + pos % block_size;
+          keys[j] = kp + (slot * kv_heads + h) * dk;
+          values[j] = vp + (slot * kv_heads + h) * v_row;
+        }
+        for (int64_t j = 0; j < n; j += kScorePositions)
+          kScoreTiles[std::min<int64_t>(kScorePositions, n - j)](keys + j, qt.data(), dk, st.data() + j * kRows);
+        // Mask the keys a row may not see: past its position, or (windowed) before its window.
+        const bool causal_edge = k0 + n - 1 > lowest;
+        const bool window_edge = sliding_window > 0 && k0 <= highest - sliding_window;
+        if (causal_edge || window_edge)
+          for (int64_t j = 0; j < n; ++j)
+            for (int64_t r = 0; r < kRows; ++r) {
+              const int64_t pos = k0 + j;
+              if (pos > row_position[r] || (sliding_window > 0 && pos <= row_position[r] - sliding_window))
+                st[j * kRows + r] = kMinusInf;
+            }
+        // Online softmax down each column, 16 query rows at a time.
+        alignas(64) float rescale[kRows];
+        for (int64_t c = 0; c < kRows; c += kLanes) {
+          __m512 column_max = _mm512_set1_ps(kMinusInf);
+          for (int64_t j = 0; j < n; ++j) column_max = _mm512_max_ps(column_max, _mm512_loadu_ps(&st[j * kRows + c]));
+          const __m512 old_max = _mm512_load_ps(running_max + c);
+          const __m512 new_max = _mm512_max_ps(old_max, column_max);
+          // A row that has seen no visible key yet keeps max -inf; subtract 0 there so exp gives 0, not NaN.
+          const __mmask16 none = _mm512_cmp_ps_mask(new_max, _mm512_set1_ps(kMinusInf), _CMP_EQ_OQ);
+          const __m512 shift = _mm512_mask_blend_ps(none, new_max, _mm512_setzero_ps());
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t j = 0; j < n; ++j) {
+            const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(&st[j * kRows + c]), shift));
+            _mm512_storeu_ps(&st[j * kRows + c], p);
+            sum = _mm512_add_ps(sum, p);
+          }
+          const __m512 alpha = exp16(_mm512_sub_ps(old_max, shift));
+          _mm512_store_ps(rescale + c, alpha);
+          _mm512_store_ps(running_sum + c, _mm512_fmadd_ps(_mm512_load_ps(running_sum + c), alpha, sum));
+          _mm512_store_ps(running_max + c, new_max);
+        }
+        if (k0 != key_begin)
+          for (int64_t r = 0; r < rows; ++r) {
+            const __m512 a = _mm512_set1_ps(rescale[r]);
+            float* row = o.data() + r * dv;
+            for (int64_t d = 0; d < dv; d += kLanes) _mm512_storeu_ps(row + d, _mm512_mul_ps(a, _mm512_loadu_ps(row + d)));
+          }
+        for (int64_t d = 0; d < dv; d += 4 * kLanes) {
+          const int64_t vectors = std::min<int64_t>(4, (dv - d) / kLanes);
+          const float* shifted[kKeys];
+          for (int64_t j = 0; j < n; ++j) shifted[j] = values[j] + d;
+          for (int64_t r = 0; r < rows; r += kValueRows)
+            kValueTiles[vectors - 1][std::min<int64_t>(kValueRows, rows - r)](st.data() + r, shifted, n,
+                                                                               o.data() + r * dv + d, dv);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t row = task.first_row + r, position = row / group, head = h * group + row % group;
+        float* dst = op + ((ch.q_start + position) * q_heads + head) * dv;
+        const __m512 inv = _mm512_set1_ps(1.f / running_sum[r]);
+        for (int64_t d = 0; d < dv; d += kLanes)
+          _mm512_storeu_ps(dst + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o.data() + r * dv + d)));
+      }
+    }
+  }
+}
+
+// ---- decode: one query token per sequence ----
+
+constexpr int64_t kDecodeAhead = 16;  // rows fetched ahead of use: a head's rows are strided through the cache
+
+inline void prefetch_row(const float* row, int64_t n) {
+  for (int64_t d = 0; d < n; d += kLanes) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+}
+
+// The lane sums of a, b, c, d, in that order.
+inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  const __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+  const __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+  // 128-bit lane i now holds four partial sums of a, b, c, d for i = 0..3.
+  __m512 x = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+  x = _mm512_add_ps(x, _mm512_shuffle_ps(x, x, 0x4E));
+  x = _mm512_add_ps(x, _mm512_shuffle_ps(x, x, 0xB1));
+  return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), x));
+}
+
+// scores[g * ld + j] = queries[g] . keys[j] for G queries and the n keys, four keys at a time.
+template <int G>
+inline void decode_scores(const float* queries, int64_t dk, const float* const* keys, int64_t n, float* scores,
+                          int64_t ld) {
+  const int64_t vectors = dk / kLanes;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (dk % kLanes)) - 1);
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    for (int64_t a = j + kDecodeAhead; a < std::min(n, j + kDecodeAhead + 4); ++a) prefetch_row(keys[a], dk);
+    __m512 acc[4][G];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) acc[i][g] = _mm512_setzero_ps();
+    for (int64_t v = 0; v <= vectors; ++v) {
+      if (v == vectors && tail == 0) break;
+      const __mmask16 mask = v < vectors ? static_cast<__mmask16>(0xFFFF) : tail;
+      __m512 k[4];
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) k[i] = _mm512_maskz_loadu_ps(mask, keys[j + i] + v * kLanes);
+#pragma GCC unroll 4
+      for (int g = 0; g < G; ++g) {
+        const __m512 q = _mm512_maskz_loadu_ps(mask, queries + g * dk + v * kLanes);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) acc[i][g] = _mm512_fmadd_ps(k[i], q, acc[i][g]);
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) _mm_storeu_ps(scores + g * ld + j, sum4(acc[0][g], acc[1][g], acc[2][g], acc[3][g]));
+  }
+  for (; j < n; ++j)
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t v = 0; v * kLanes < dk; ++v) {
+        const __mmask16 mask = v < vectors ? static_cast<__mmask16>(0xFFFF) : tail;
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, keys[j] + v * kLanes),
+                              _mm512_maskz_loadu_ps(mask, queries + g * dk + v * kLanes), acc);
+      }
+      scores[g * ld + j] = _mm512_reduce_add_ps(acc);
+    }
+}
+
+using DecodeScores = void (*)(const float*, int64_t, const float* const*, int64_t, float*, int64_t);
+constexpr DecodeScores kDecodeScores[5] = {nullptr, decode_scores<1>, decode_scores<2>, decode_scores<3>,
+                                           decode_scores<4>};
+
+// out[g][0:16V] = sum_j weights[g * ld + j] * values[j][0:16V] for G queries (G x V sums in registers).
+template <int G, int V>
+inline void decode_values(const float* weights, int64_t ld, const float* const* values, int64_t n, float* out,
+                          int64_t ldo, bool fetch_ahead, int64_t row_floats) {
+  __m512 acc[G][V];
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < V; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (fetch_ahead && j + kDecodeAhead < n) prefetch_row(values[j + kDecodeAhead], row_floats);
+    __m512 x[V];
+#pragma GCC unroll 4
+    for (int c = 0; c < V; ++c) x[c] = _mm512_loadu_ps(values[j] + c * kLanes);
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(weights[g * ld + j]);
+#pragma GCC unroll 4
+      for (int c = 0; c < V; ++c) acc[g][c] = _mm512_fmadd_ps(p, x[c], acc[g][c]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int g = 0; g < G; ++g)
+#pragma GCC unroll 4
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + g * ldo + c * kLanes, acc[g][c]);
+}
+
+using DecodeValues = void (*)(const float*, int64_t, const float* const*, int64_t, float*, int64_t, bool, int64_t);
+#define UNIFIED_DECODE_VALUES(G) {nullptr, decode_values<G, 1>, decode_values<G, 2>, decode_values<G, 3>, decode_values<G, 4>}
+constexpr DecodeValues kDecodeValues[5][5] = {{nullptr, nullptr, nullptr, nullptr, nullptr}, UNIFIED_DECODE_VALUES(1),
+                                              UNIFIED_DECODE_VALUES(2), UNIFIED_DECODE_VALUES(3),
+                                              UNIFIED_DECODE_VALUES(4)};
+#undef UNIFIED_DECODE_VALUES
+
+// Softmax of a row in place (its exponentials normalised to sum 1).
+inline void softmax_row(float* row, int64_t n) {
+  __m512 top = _mm512_set1_ps(kMinusInf);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
+  float m = _mm512_reduce_max_ps(top);
+  for (; j < n; ++j) m = std::max(m, row[j]);
+  const __m512 shift = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j < n; j += kLanes) {
+    const __mmask16 mask = j + kLanes <= n ? static_cast<__mmask16>(0xFFFF)
+                                           : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, row + j), shift));
+    _mm512_mask_storeu_ps(row + j, mask, p);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, p));
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (j = 0; j + kLanes <= n; j += kLanes) _mm512_storeu_ps(row + j, _mm512_mul_ps(inv, _mm512_loadu_ps(row + j)));
+  for (; j < n; ++j) row[j] *= _mm512_cvtss_f32(inv);
+}
+
+}  // namespace
+
+namespace unified_avx512 {
+
+// paged_decode's AVX-512 body (cpu_kernels.cpp checks the arguments and allocates out [S, Hq, dv]): one task
+// per (sequence, KV head), whose rows are read once for up to four query heads of its group at a time.
+void paged_decode(float* out, const float* q, const float* k_cache, const float* v_cache, int64_t v_row,
+                  const int64_t* tables, int64_t width, const int64_t* lens, int64_t seqs, int64_t q_heads,
+                  int64_t kv_heads, int64_t block_size, int64_t dk, int64_t dv, float scale, int64_t sliding_window) {
+  const int64_t group = q_heads / kv_heads;
+  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, queries(group * dk);
+    std::vector<const float*> keys, values;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads, len = lens[s];
+      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t n = len - first;
+      const int64_t* table = tables + s * width;
+      keys.resize(n);
+      values.resize(n);
+      for (int64_t pos = first; pos < len; ++pos) {
+        const int64_t row = (table[pos / block_size] * block_size + pos % block_size) * kv_heads + h;
+        keys[pos - first] = k_cache + row * dk;
+        values[pos - first] = v_cache + row * v_row;
+      }
+      const float* qs = q + (s * q_heads + h * group) * dk;
+      for (int64_t i = 0; i < group * dk; ++i) queries[i] = qs[i] * scale;
+      scores.resize(group * n);
+      for (int64_t g = 0; g < group; g += 4) {
+        const int64_t count = std::min<int64_t>(4, group - g);
+        kDecodeScores[count](queries.data() + g * dk, dk, keys.data(), n, scores.data() + g * n, n);
+      }
+      for (int64_t g = 0; g < group; ++g) softmax_row(scores.data() + g * n, n);
+      float* out_s = out + (s * q_heads + h * group) * dv;
+      for (int64_t g = 0; g < group; g += 4) {
+        const int64_t count = std::min<int64_t>(4, group - g);
+        for (int64_t d = 0; d < dv; d += 4 * kLanes) {
+          const int64_t vectors = std::min<int64_t>(4, (dv - d) / kLanes);
+          const float* const* rows = values.data();
+          std::vector<const float*> shifted;
+          if (d > 0) {
+            shifted.resize(n);
+            for (int64_t j = 0; j < n; ++j) shifted[j] = values[j] + d;
+            rows = shifted.data();
+          }
+          kDecodeValues[count][vectors](scores.data() + g * n, n, rows, n, out_s + g * dv + d, dv, g == 0 && d == 0,
+                                        dv);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace unified_avx512
+
+namespace {
+
+// Each row's first maximum, or -1 for a row holding a NaN (whose caller decides what that means). Greedy
+// sampling over a 150k-token vocabulary: one pass at memory speed, where torch's max(-1) also tracks values.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0 &&
+                  x.size(1) < (int64_t(1) << 31), "argmax_rows: a contiguous float32 [rows, V] tensor expected");
+  const int64_t rows = x.size(0), vocab = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * vocab;
+      __m512 best = _mm512_set1_ps(kMinusInf);
+      __m512i best_index = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                              12, 13, 14, 15);
+      const __m512i step = _mm512_set1_epi32(kLanes);
+      __mmask16 nan = 0;
+      for (int64_t j = 0; j < vocab; j += kLanes) {
+        const __mmask16 valid = j + kLanes <= vocab ? static_cast<__mmask16>(0xFFFF)
+                                                    : static_cast<__mmask16>((1u << (vocab - j)) - 1);
+        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(kMinusInf), valid, row + j);
+        const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, greater, v);
+        best_index = _mm512_mask_mov_epi32(best_index, greater, index);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        index = _mm512_add_epi32(index, step);
+      }
+      const float top = _mm512_reduce_max_ps(best);
+      const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+      op[r] = nan ? -1 : _mm512_mask_reduce_min_epi32(at_top, best_index);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(unified_cpu, m) {
+  m.def("paged_prefill_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor? v_cache, Tensor block_tables, "
+        "Tensor chunk_seqs, Tensor chunk_starts, Tensor chunk_lens, Tensor context_lens, float scale, "
+        "int sliding_window) -> ()", &paged_prefill);
+  m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
+}
+#endif
