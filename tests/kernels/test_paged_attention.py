@@ -11,6 +11,7 @@ from unified.kernels import cpu_ops
 
 # The module, not the function of the same name that unified.kernels exports.
 paged_attention_module = importlib.import_module("unified.kernels.paged_attention")
+cascade_module = importlib.import_module("unified.kernels.cascade")
 
 BLOCK, BLOCKS, KV_HEADS, Q_HEADS, DIM = 4, 48, 2, 6, 8
 
@@ -178,4 +179,39 @@ def test_prefill_kernel_at_model_sizes_matches_the_reference(decode_path, q_head
         patch.setattr(paged_attention_module, "_cpu_decode_kernel_applies", lambda *args: False)
         reference = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, lens, 0.1,
                                             sliding_window=window, v_head_dim=dim_v)
+    torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("decode_path", ["cpu-kernel"], indirect=True)
+@pytest.mark.parametrize("q_heads,kv_heads,dim,dim_v", [(8, 2, 64, 64), (8, 4, 128, 128), (4, 1, 80, 64)])
+def test_decodes_sharing_prefix_blocks_attend_to_them_together(decode_path, q_heads, kv_heads, dim, dim_v):
+    """Two groups behind shared prefixes (one shared in part: its members' tables part after 6 blocks), a
+    sequence on its own and a prefill chunk: the cascade plan groups the first two, and the output matches the
+    plain-PyTorch path."""
+    if not hasattr(torch.ops.unified_cpu, "paged_decode_cascade"):
+        pytest.skip("the cascade kernels are built for AVX-512 machines")
+    g = torch.Generator().manual_seed(3)
+    block = 16
+    lens = [150, 201, 160, 333, 130, 128, 120, 60]
+    query_lens = [1, 1, 1, 1, 1, 1, 1, 30]
+    width = -(-max(lens) // block)
+    k_cache = torch.randn(200, block, kv_heads, dim, generator=g)
+    v_cache = None if dim_v != dim else torch.randn(200, block, kv_heads, dim_v, generator=g)
+    tables = torch.randperm(200, generator=g)[:len(lens) * width].view(len(lens), width).clone()
+    tables[1:4, :9] = tables[0, :9]  # sequences 0-3 share 9 blocks (144 tokens)
+    tables[5, :6] = tables[4, :6]  # 4-6 share 6 blocks; 6 shares 7 with 4
+    tables[6, :7] = tables[4, :7]
+    query_start = [0]
+    for n in query_lens:
+        query_start.append(query_start[-1] + n)
+    q = torch.randn(query_start[-1], q_heads, dim, generator=g)
+    with pytest.MonkeyPatch.context() as patch:  # group 4-6 saves fewer reads than worth it at model sizes
+        patch.setattr(cascade_module, "MIN_SAVED_TOKENS", 128)
+        plan = kernels.plan_paged_attention(tables, query_start, lens, block)
+    assert plan.cascade is not None
+    assert plan.cascade.skips.tolist() == [144, 144, 144, 144, 96, 96, 96]
+    kernel = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, lens, 0.1, v_head_dim=dim_v, plan=plan)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_attention_module, "_cpu_decode_kernel_applies", lambda *args: False)
+        reference = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, lens, 0.1, v_head_dim=dim_v)
     torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)

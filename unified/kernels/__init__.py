@@ -10,7 +10,8 @@ from unified.kernels.kv_quant import dequantize_kv, packed_dim, quantize_kv, sca
 from unified.kernels.linear import PackedWeight, linear, pack_weight, takes_inference_path
 from unified.kernels.paged_attention import AttentionPlan, paged_attention, plan_paged_attention, write_kv
 from unified.kernels.rms_norm import rms_norm, rms_norm_reference
+from unified.kernels.rotary import norm_rope_, norm_rope_applies
 
 __all__ = ["AttentionPlan", "PackedWeight", "argmax_rows", "argmax_rows_reference", "dequantize_kv", "gated_activation", "gated_activation_reference", "linear",
-           "pack_weight", "packed_dim", "paged_attention", "plan_paged_attention", "quantize_kv", "rms_norm",
+           "norm_rope_", "norm_rope_applies", "pack_weight", "packed_dim", "paged_attention", "plan_paged_attention", "quantize_kv", "rms_norm",
            "rms_norm_reference", "scale_layout", "takes_inference_path", "training_path", "write_kv"]

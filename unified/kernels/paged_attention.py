@@ -12,12 +12,13 @@ single gather of their blocks, padded to the longest context, and one masked SDP
 (prefill) chunk gathers its own blocks and runs one SDPA. On CPU, float32 attention over unquantised
 caches instead goes through C++ kernels that read the rows in place through the block tables, with no
 gathered copy: decodes through csrc/cpu_kernels.cpp's paged_decode, and on AVX-512 builds all of a
-step's prefill chunks through one call of csrc/paged_prefill.cpp (a flash-style kernel that reads each
+step's prefill chunks through one call of csrc/attention_avx512.cpp (a flash-style kernel that reads each
 K/V row once for a tile of query positions times the query heads sharing it, skipping the tiles above
-the causal diagonal). Decodes read whole blocks and mask the slots past each
-sequence's end, so those slots must hold finite values (a masked NaN still gives 0 * NaN): caches start
-zeroed. Quantised caches (int8/int4, see kv_quant.py) are dequantised right after the gather; int4 keys
-come back shifted by their cache's constant centre, which leaves the softmax unchanged.
+the causal diagonal); decodes that share prefix blocks attend to them together (cascade.py). Decodes read
+whole blocks and mask the slots past each sequence's end, so those slots must hold finite values (a masked
+NaN still gives 0 * NaN): caches start zeroed. Quantised caches (int8/int4, see kv_quant.py) are
+dequantised right after the gather; int4 keys come back shifted by their cache's constant centre, which
+leaves the softmax unchanged.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from unified.kernels import cpu_ops
+from unified.kernels.cascade import CascadePlan, cascade_decode, plan_cascade
 from unified.kernels.kv_quant import dequantize_kv, quantize_kv
 
 
@@ -76,6 +78,7 @@ class AttentionPlan:
     prefills: list[tuple[int, int, int, torch.Tensor | None]]
     # the same chunks as int64 tensors for the CPU kernel: sequences, first rows, lengths, context lengths
     prefill_chunks: tuple[torch.Tensor, ...] = ()
+    cascade: CascadePlan | None = None  # decodes that share prefix blocks, where attending them together pays
 
 
 def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], context_lens: list[int],
@@ -100,8 +103,11 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
     if sliding_window is not None:
         visible &= k_pos >= lens_t - sliding_window
     rows = None if not prefills else torch.tensor([query_start[s] for s in decodes], device=device)
-    return AttentionPlan(rows, decodes, tables[:, :width].contiguous(), lens_t[:, 0], visible[:, None, None, :],
-                         sliding_window, prefills, chunks)
+    tables = tables[:, :width].contiguous()
+    cascade = (plan_cascade(tables, lens, block_size) if sliding_window is None and device.type == "cpu"
+               and cpu_ops.available() and hasattr(torch.ops.unified_cpu, "paged_decode_cascade") else None)
+    return AttentionPlan(rows, decodes, tables, lens_t[:, 0], visible[:, None, None, :], sliding_window, prefills,
+                         chunks, cascade)
 
 
 def _cpu_decode_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
@@ -121,6 +127,8 @@ def _decode_batch(q: torch.Tensor, k_cache, v_cache, k_scale, v_scale, plan: Att
                   kv_bits: int | None, dv: int) -> torch.Tensor:
     """One query per sequence, reading whole blocks (one gather each for K and V; positions past a
     sequence's length are masked, those past the longest not attended at all). q: [S, Hq, Dk] -> [S, Hq, Dv]."""
+    if plan.cascade is not None and _cpu_prefill_kernel_applies(q, k_cache, v_cache, kv_bits, dv):
+        return cascade_decode(q.contiguous(), k_cache, v_cache, plan.tables, plan.decode_lens, plan.cascade, scale, dv)
     if _cpu_decode_kernel_applies(q, k_cache, v_cache, kv_bits):
         return torch.ops.unified_cpu.paged_decode(q.contiguous(), k_cache, v_cache, plan.tables, plan.decode_lens,
                                                   scale, plan.sliding_window or 0, dv)
@@ -204,7 +212,11 @@ def write_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Ten
     pass their cache's `centre` [H, D], subtracted before quantising, and are stored with zero-points."""
     flat = cache.view(-1, *cache.shape[2:])
     if kv_bits is None:
-        flat.index_copy_(0, slots, x.to(cache.dtype))
+        if (x.dim() == 3 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and cache.is_contiguous()
+                and cpu_ops.applies(cache, x) and slots.dtype == torch.int64):
+            torch.ops.unified_cpu.write_kv_rows_(cache, x, slots)  # no set-up per call, x read where it lies
+        else:
+            flat.index_copy_(0, slots, x.to(cache.dtype))
         return
     values, scale = quantize_kv(x, kv_bits, centre, zero_point=centre is not None)
     flat.index_copy_(0, slots, values)

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unified import kernels
 from unified.model.config import ModelConfig
 from unified.model.forward_context import get_forward_context
 from unified.model.norm import RMSNorm
@@ -98,9 +99,15 @@ class GQAttention(nn.Module):
         heads = self.num_heads + 2 * self.num_kv_heads
         qkv = qkv.view(b, s, heads, self.head_dim)
         qk, v = qkv[:, :, :self.num_heads + self.num_kv_heads], qkv[:, :, self.num_heads + self.num_kv_heads:]
-        if self.q_norm is not None:
+        norms = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+        if kernels.norm_rope_applies(qk, cos, rope.interleaved, *norms):  # CPU inference: in place, one pass
+            eps = self.q_norm.eps if norms else 0.0
+            kernels.norm_rope_(qk, cos, sin, *(norms or (None, None)), self.num_heads, eps)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
-        q, k = rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=2)  # one rotation for q and k
+        else:
+            if self.q_norm is not None:
+                q, k = qk.split([self.num_heads, self.num_kv_heads], dim=2)
+                qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
+            q, k = rope(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=2)  # one rotation for q and k
         out = attend(self.layer, q, k, v, self.scale, self.sliding_window)  # [B, S, Hq, D]
         return self.o_proj(out.reshape(b, s, -1))

@@ -111,61 +111,34 @@ struct Chunk {
   int64_t seq, q_start, q_len, ctx_len;
 };
 
-// out [T, Hq, dv] rows of the chunks; q [T, Hq, dk]; caches [blocks, block_size, Hkv, D] (v_cache none: the
-// values are the first dv channels of the keys); block_tables [S, W]; chunks: seq [C], q_start [C], q_len [C]
-// (>= 1, the last q_len of the sequence's ctx_len tokens), ctx_len [C]; sliding_window <= 0: none.
-void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                   const std::optional<at::Tensor>& v_cache, const at::Tensor& block_tables,
-                   const at::Tensor& chunk_seqs, const at::Tensor& chunk_starts, const at::Tensor& chunk_lens,
-                   const at::Tensor& context_lens, double scale, int64_t sliding_window) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && out.dim() == 3, "paged_prefill: q, out [T, H, D], a 4-d cache");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "paged_prefill: float32 only");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && out.is_contiguous(), "paged_prefill: contiguous tensors");
-  for (const at::Tensor* t : {&block_tables, &chunk_seqs, &chunk_starts, &chunk_lens, &context_lens})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "paged_prefill: int64 tables and lengths");
-  const int64_t q_heads = q.size(1), dk = q.size(2), dv = out.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), width = block_tables.size(1);
-  TORCH_CHECK(k_cache.size(3) == dk && q_heads % kv_heads == 0 && out.size(0) == q.size(0) && out.size(1) == q_heads,
-              "paged_prefill: q, out and the key cache do not match");
-  TORCH_CHECK(dv % kLanes == 0, "paged_prefill: dv must be a multiple of 16");
-  const float* vp = k_cache.data_ptr<float>();
-  int64_t v_row = dk;
-  if (v_cache.has_value()) {
-    TORCH_CHECK(v_cache->scalar_type() == at::kFloat && v_cache->is_contiguous() &&
-                v_cache->sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), "paged_prefill: value cache mismatch");
-    vp = v_cache->data_ptr<float>();
-    v_row = v_cache->size(3);
-  }
-  TORCH_CHECK(dv <= v_row, "paged_prefill: dv exceeds the value rows");
-  const int64_t group = q_heads / kv_heads;
-  const int64_t positions_per_tile = std::max<int64_t>(1, kRows / group);
-  const int64_t tile_rows = std::min(kRows, positions_per_tile * group);  // < kRows when group > 64 or no divisor
-  TORCH_CHECK(group <= kRows, "paged_prefill: at most 64 query heads per KV head");
+// A paged KV cache as the kernels read it: rows of slot * kv_heads + head, through per-sequence block tables.
+struct PagedCache {
+  const float* keys;
+  const float* values;  // the keys themselves for MLA's latent cache
+  int64_t value_row, block_size, kv_heads;
+  const int64_t* tables;
+  int64_t width;
+};
 
-  std::vector<Chunk> chunks;
-  const int64_t* seq_p = chunk_seqs.data_ptr<int64_t>();
-  for (int64_t c = 0; c < chunk_seqs.numel(); ++c)
-    chunks.push_back({seq_p[c], chunk_starts.data_ptr<int64_t>()[c], chunk_lens.data_ptr<int64_t>()[c],
-                      context_lens.data_ptr<int64_t>()[c]});
+// The attention of `chunks` (see paged_prefill) once checked: out and lse (or null) by query row and head.
+void attend_chunks(float* op, float* lse_p, const float* qp, int64_t q_heads, int64_t dk, int64_t dv,
+                   const PagedCache& cache, const std::vector<Chunk>& chunks, float softmax_scale,
+                   int64_t sliding_window, bool causal) {
+  const float *kp = cache.keys, *vp = cache.values;
+  const int64_t v_row = cache.value_row, block_size = cache.block_size, kv_heads = cache.kv_heads;
+  const int64_t* tables = cache.tables;
+  const int64_t width = cache.width, group = q_heads / kv_heads;
+  const int64_t tile_rows = std::min(kRows, std::max<int64_t>(1, kRows / group) * group);  // < kRows: no divisor
   std::vector<Task> tasks;
   for (int64_t c = 0; c < static_cast<int64_t>(chunks.size()); ++c) {
     const Chunk& ch = chunks[c];
-    TORCH_CHECK(ch.q_len >= 1 && ch.q_len <= ch.ctx_len && ch.ctx_len <= width * block_size && ch.seq >= 0 &&
-                    ch.seq < block_tables.size(0) && ch.q_start >= 0 && ch.q_start + ch.q_len <= q.size(0),
-                "paged_prefill: a chunk does not fit its tables");
     const int64_t rows = ch.q_len * group;
     for (int64_t h = 0; h < kv_heads; ++h)
       for (int64_t r = 0; r < rows; r += tile_rows)
-        tasks.push_back({c, h, r, ch.ctx_len - ch.q_len + std::min(rows, r + tile_rows) / group});
+        tasks.push_back({c, h, r, causal ? ch.ctx_len - ch.q_len + std::min(rows, r + tile_rows) / group : ch.ctx_len});
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.keys > b.keys; });
 
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float softmax_scale = static_cast<float>(scale);
   const int64_t task_count = static_cast<int64_t>(tasks.size());
 
 #pragma omp parallel num_threads(at::get_num_threads())
@@ -185,7 +158,7 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       std::fill(qt.begin(), qt.end(), 0.f);
       for (int64_t r = 0; r < kRows; ++r) {
         const int64_t row = task.first_row + std::min(r, rows - 1), position = row / group, head = h * group + row % group;
-        row_position[r] = offset + position;
+        row_position[r] = causal ? offset + position : ch.ctx_len - 1;
         if (r >= rows) continue;
         const float* src = qp + ((ch.q_start + position) * q_heads + head) * dk;
         for (int64_t d = 0; d < dk; ++d) qt[d * kRows + r] = src[d] * softmax_scale;
@@ -255,6 +228,7 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t row = task.first_row + r, position = row / group, head = h * group + row % group;
         float* dst = op + ((ch.q_start + position) * q_heads + head) * dv;
+        if (lse_p) lse_p[(ch.q_start + position) * q_heads + head] = running_max[r] + std::log(running_sum[r]);
         const __m512 inv = _mm512_set1_ps(1.f / running_sum[r]);
         for (int64_t d = 0; d < dv; d += kLanes)
           _mm512_storeu_ps(dst + d, _mm512_mul_ps(inv, _mm512_loadu_ps(o.data() + r * dv + d)));
@@ -263,12 +237,69 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   }
 }
 
+// out [T, Hq, dv] rows of the chunks; q [T, Hq, dk]; caches [blocks, block_size, Hkv, D] (v_cache none: the
+// values are the first dv channels of the keys); block_tables [S, W]; chunks: seq [C], q_start [C], q_len [C]
+// (>= 1, the last q_len of the sequence's ctx_len tokens), ctx_len [C]; sliding_window <= 0: none.
+// causal=false: every query row of a chunk sees all ctx_len keys (a prefix that sequences share, with one
+// query row per sequence: cascade decoding). lse [T, Hq], when given, receives each row's log-sum-exp of its
+// scaled scores, for merging with attention over other keys.
+void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                   const std::optional<at::Tensor>& v_cache, const at::Tensor& block_tables,
+                   const at::Tensor& chunk_seqs, const at::Tensor& chunk_starts, const at::Tensor& chunk_lens,
+                   const at::Tensor& context_lens, double scale, int64_t sliding_window,
+                   const std::optional<at::Tensor>& lse, bool causal) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && out.dim() == 3, "paged_prefill: q, out [T, H, D], a 4-d cache");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_prefill: float32 only");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && out.is_contiguous(), "paged_prefill: contiguous tensors");
+  for (const at::Tensor* t : {&block_tables, &chunk_seqs, &chunk_starts, &chunk_lens, &context_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "paged_prefill: int64 tables and lengths");
+  const int64_t q_heads = q.size(1), dk = q.size(2), dv = out.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), width = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == dk && q_heads % kv_heads == 0 && out.size(0) == q.size(0) && out.size(1) == q_heads,
+              "paged_prefill: q, out and the key cache do not match");
+  TORCH_CHECK(dv % kLanes == 0, "paged_prefill: dv must be a multiple of 16");
+  const float* vp = k_cache.data_ptr<float>();
+  int64_t v_row = dk;
+  if (v_cache.has_value()) {
+    TORCH_CHECK(v_cache->scalar_type() == at::kFloat && v_cache->is_contiguous() &&
+                v_cache->sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), "paged_prefill: value cache mismatch");
+    vp = v_cache->data_ptr<float>();
+    v_row = v_cache->size(3);
+  }
+  TORCH_CHECK(dv <= v_row, "paged_prefill: dv exceeds the value rows");
+  TORCH_CHECK(causal || sliding_window <= 0, "paged_prefill: a shared prefix takes no sliding window");
+  float* lse_p = nullptr;
+  if (lse.has_value()) {
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->is_contiguous() && lse->numel() == q.size(0) * q_heads,
+                "paged_prefill: lse [T, Hq] float32 expected");
+    lse_p = lse->data_ptr<float>();
+  }
+  TORCH_CHECK(q_heads / kv_heads <= kRows, "paged_prefill: at most 64 query heads per KV head");
+
+  std::vector<Chunk> chunks;
+  const int64_t* seq_p = chunk_seqs.data_ptr<int64_t>();
+  for (int64_t c = 0; c < chunk_seqs.numel(); ++c)
+    chunks.push_back({seq_p[c], chunk_starts.data_ptr<int64_t>()[c], chunk_lens.data_ptr<int64_t>()[c],
+                      context_lens.data_ptr<int64_t>()[c]});
+  for (const Chunk& ch : chunks)
+    TORCH_CHECK(ch.q_len >= 1 && (ch.q_len <= ch.ctx_len || !causal) && ch.ctx_len >= 1 &&
+                    ch.ctx_len <= width * block_size && ch.seq >= 0 && ch.seq < block_tables.size(0) &&
+                    ch.q_start >= 0 && ch.q_start + ch.q_len <= q.size(0),
+                "paged_prefill: a chunk does not fit its tables");
+  const PagedCache cache{k_cache.data_ptr<float>(), vp, v_row, block_size, kv_heads, block_tables.data_ptr<int64_t>(),
+                         width};
+  attend_chunks(out.data_ptr<float>(), lse_p, q.data_ptr<float>(), q_heads, dk, dv, cache, chunks,
+                static_cast<float>(scale), sliding_window, causal);
+}
+
 // ---- decode: one query token per sequence ----
 
 constexpr int64_t kDecodeAhead = 16;  // rows fetched ahead of use: a head's rows are strided through the cache
 
+template <_mm_hint Hint = _MM_HINT_T0>
 inline void prefetch_row(const float* row, int64_t n) {
-  for (int64_t d = 0; d < n; d += kLanes) _mm_prefetch(reinterpret_cast<const char*>(row + d), _MM_HINT_T0);
+  for (int64_t d = 0; d < n; d += kLanes) _mm_prefetch(reinterpret_cast<const char*>(row + d), Hint);
 }
 
 // The lane sums of a, b, c, d, in that order.
@@ -330,8 +361,8 @@ constexpr DecodeScores kDecodeScores[5] = {nullptr, decode_scores<1>, decode_sco
 
 // out[g][0:16V] = sum_j weights[g * ld + j] * values[j][0:16V] for G queries (G x V sums in registers).
 template <int G, int V>
-inline void decode_values(const float* weights, int64_t ld, const float* const* values, int64_t n, float* out,
-                          int64_t ldo, bool fetch_ahead, int64_t row_floats) {
+inline void decode_values(const float* weights, int64_t ld, const float* const* values, int64_t offset, int64_t n,
+                          float* out, int64_t ldo, bool fetch_ahead, int64_t row_floats) {
   __m512 acc[G][V];
 #pragma GCC unroll 4
   for (int g = 0; g < G; ++g)
@@ -341,7 +372,7 @@ inline void decode_values(const float* weights, int64_t ld, const float* const* 
     if (fetch_ahead && j + kDecodeAhead < n) prefetch_row(values[j + kDecodeAhead], row_floats);
     __m512 x[V];
 #pragma GCC unroll 4
-    for (int c = 0; c < V; ++c) x[c] = _mm512_loadu_ps(values[j] + c * kLanes);
+    for (int c = 0; c < V; ++c) x[c] = _mm512_loadu_ps(values[j] + offset + c * kLanes);
 #pragma GCC unroll 4
     for (int g = 0; g < G; ++g) {
       const __m512 p = _mm512_set1_ps(weights[g * ld + j]);
@@ -355,15 +386,16 @@ inline void decode_values(const float* weights, int64_t ld, const float* const* 
     for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + g * ldo + c * kLanes, acc[g][c]);
 }
 
-using DecodeValues = void (*)(const float*, int64_t, const float* const*, int64_t, float*, int64_t, bool, int64_t);
+using DecodeValues = void (*)(const float*, int64_t, const float* const*, int64_t, int64_t, float*, int64_t, bool,
+                             int64_t);
 #define UNIFIED_DECODE_VALUES(G) {nullptr, decode_values<G, 1>, decode_values<G, 2>, decode_values<G, 3>, decode_values<G, 4>}
 constexpr DecodeValues kDecodeValues[5][5] = {{nullptr, nullptr, nullptr, nullptr, nullptr}, UNIFIED_DECODE_VALUES(1),
                                               UNIFIED_DECODE_VALUES(2), UNIFIED_DECODE_VALUES(3),
                                               UNIFIED_DECODE_VALUES(4)};
 #undef UNIFIED_DECODE_VALUES
 
-// Softmax of a row in place (its exponentials normalised to sum 1).
-inline void softmax_row(float* row, int64_t n) {
+// Softmax of a row in place (its exponentials normalised to sum 1); returns the row's log-sum-exp.
+inline float softmax_row(float* row, int64_t n) {
   __m512 top = _mm512_set1_ps(kMinusInf);
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) top = _mm512_max_ps(top, _mm512_loadu_ps(row + j));
@@ -378,9 +410,11 @@ inline void softmax_row(float* row, int64_t n) {
     _mm512_mask_storeu_ps(row + j, mask, p);
     sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(mask, p));
   }
-  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  const float total = _mm512_reduce_add_ps(sum);
+  const __m512 inv = _mm512_set1_ps(1.f / total);
   for (j = 0; j + kLanes <= n; j += kLanes) _mm512_storeu_ps(row + j, _mm512_mul_ps(inv, _mm512_loadu_ps(row + j)));
   for (; j < n; ++j) row[j] *= _mm512_cvtss_f32(inv);
+  return m + std::log(total);
 }
 
 }  // namespace
@@ -389,16 +423,19 @@ namespace unified_avx512 {
 
 // paged_decode's AVX-512 body (cpu_kernels.cpp checks the arguments and allocates out [S, Hq, dv]): one task
 // per (sequence, KV head), whose rows are read once for up to four query heads of its group at a time.
+// skips [S] (or null): the positions each sequence leaves out at its start (a prefix attended apart); lse [S, Hq]
+// (or null) receives each row's log-sum-exp of its scaled scores.
 void paged_decode(float* out, const float* q, const float* k_cache, const float* v_cache, int64_t v_row,
                   const int64_t* tables, int64_t width, const int64_t* lens, int64_t seqs, int64_t q_heads,
-                  int64_t kv_heads, int64_t block_size, int64_t dk, int64_t dv, float scale, int64_t sliding_window) {
+                  int64_t kv_heads, int64_t block_size, int64_t dk, int64_t dv, float scale, int64_t sliding_window,
+                  const int64_t* skips, float* lse) {
   const int64_t group = q_heads / kv_heads;
   at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, queries(group * dk);
     std::vector<const float*> keys, values;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads, len = lens[s];
-      const int64_t first = sliding_window > 0 ? std::max<int64_t>(0, len - sliding_window) : 0;
+      const int64_t first = std::max<int64_t>(sliding_window > 0 ? len - sliding_window : 0, skips ? skips[s] : 0);
       const int64_t n = len - first;
       const int64_t* table = tables + s * width;
       keys.resize(n);
@@ -409,27 +446,29 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
         values[pos - first] = v_cache + row * v_row;
       }
       const float* qs = q + (s * q_heads + h * group) * dk;
+      // The loops fetch rows kDecodeAhead ahead of use; the first ones are asked for here, the keys' now and
+      // the values' (used after the scores) into L2.
+      for (int64_t j = 0; j < std::min(n, kDecodeAhead); ++j) {
+        prefetch_row(keys[j], dk);
+        prefetch_row<_MM_HINT_T1>(values[j], dv);
+      }
       for (int64_t i = 0; i < group * dk; ++i) queries[i] = qs[i] * scale;
       scores.resize(group * n);
       for (int64_t g = 0; g < group; g += 4) {
         const int64_t count = std::min<int64_t>(4, group - g);
         kDecodeScores[count](queries.data() + g * dk, dk, keys.data(), n, scores.data() + g * n, n);
       }
-      for (int64_t g = 0; g < group; ++g) softmax_row(scores.data() + g * n, n);
+      for (int64_t g = 0; g < group; ++g) {
+        const float row_lse = softmax_row(scores.data() + g * n, n);
+        if (lse) lse[s * q_heads + h * group + g] = row_lse;
+      }
       float* out_s = out + (s * q_heads + h * group) * dv;
       for (int64_t g = 0; g < group; g += 4) {
         const int64_t count = std::min<int64_t>(4, group - g);
         for (int64_t d = 0; d < dv; d += 4 * kLanes) {
           const int64_t vectors = std::min<int64_t>(4, (dv - d) / kLanes);
-          const float* const* rows = values.data();
-          std::vector<const float*> shifted;
-          if (d > 0) {
-            shifted.resize(n);
-            for (int64_t j = 0; j < n; ++j) shifted[j] = values[j] + d;
-            rows = shifted.data();
-          }
-          kDecodeValues[count][vectors](scores.data() + g * n, n, rows, n, out_s + g * dv + d, dv, g == 0 && d == 0,
-                                        dv);
+          kDecodeValues[count][vectors](scores.data() + g * n, n, values.data(), d, n, out_s + g * dv + d, dv,
+                                        g == 0 && d == 0, dv);
         }
       }
     }
@@ -475,12 +514,95 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// Cascade decoding (unified/kernels/cascade.py): one query per sequence, q [S, Hq, dk]; caches as paged_decode's.
+// Sequence s attends to its own keys from position skips[s] on; the sequences order[c_start : c_start + c_len]
+// of each group c also attend together, every row to every key, to the c_ctx positions of the prefix they
+// share (read through sequence c_seq's table); the two parts merge by their log-sum-exps. Returns [S, Hq, dv].
+at::Tensor paged_decode_cascade(const at::Tensor& q, const at::Tensor& k_cache, const std::optional<at::Tensor>& v_cache,
+                                const at::Tensor& block_tables, const at::Tensor& context_lens, const at::Tensor& order,
+                                const at::Tensor& chunk_seqs, const at::Tensor& chunk_starts,
+                                const at::Tensor& chunk_lens, const at::Tensor& chunk_ctx, const at::Tensor& skips,
+                                double scale, int64_t dv) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && q.scalar_type() == at::kFloat &&
+                  k_cache.scalar_type() == at::kFloat && q.is_contiguous() && k_cache.is_contiguous(),
+              "paged_decode_cascade: contiguous float32 q [S, Hq, D] and key cache expected");
+  for (const at::Tensor* t : {&block_tables, &context_lens, &order, &chunk_seqs, &chunk_starts, &chunk_lens,
+                              &chunk_ctx, &skips})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "paged_decode_cascade: int64 tables and lengths");
+  const int64_t seqs = q.size(0), q_heads = q.size(1), dk = q.size(2), kv_heads = k_cache.size(2);
+  const int64_t block_size = k_cache.size(1), width = block_tables.size(1);
+  TORCH_CHECK(k_cache.size(3) == dk && q_heads % kv_heads == 0 && q_heads / kv_heads <= kRows &&
+                  context_lens.numel() == seqs && skips.numel() == seqs && block_tables.size(0) == seqs &&
+                  dv % kLanes == 0,
+              "paged_decode_cascade: q, caches, tables and lengths do not match");
+  const float* vp = k_cache.data_ptr<float>();
+  int64_t v_row = dk;
+  if (v_cache.has_value()) {
+    TORCH_CHECK(v_cache->scalar_type() == at::kFloat && v_cache->is_contiguous() &&
+                v_cache->sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), "paged_decode_cascade: value cache mismatch");
+    vp = v_cache->data_ptr<float>();
+    v_row = v_cache->size(3);
+  }
+  TORCH_CHECK(dv <= v_row, "paged_decode_cascade: dv exceeds the value rows");
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const int64_t* skip = skips.data_ptr<int64_t>();
+  const int64_t* grouped = order.data_ptr<int64_t>();
+  const int64_t members = order.numel();
+  for (int64_t i = 0; i < seqs; ++i)
+    TORCH_CHECK(skip[i] >= 0 && skip[i] < lens[i] && lens[i] <= width * block_size,
+                "paged_decode_cascade: each sequence must keep at least its last position");
+  std::vector<Chunk> chunks;
+  for (int64_t c = 0; c < chunk_seqs.numel(); ++c) {
+    const Chunk ch{chunk_seqs.data_ptr<int64_t>()[c], chunk_starts.data_ptr<int64_t>()[c],
+                   chunk_lens.data_ptr<int64_t>()[c], chunk_ctx.data_ptr<int64_t>()[c]};
+    TORCH_CHECK(ch.seq >= 0 && ch.seq < seqs && ch.q_start >= 0 && ch.q_len >= 1 && ch.q_start + ch.q_len <= members &&
+                    ch.ctx_len >= 1 && ch.ctx_len <= width * block_size,
+                "paged_decode_cascade: a group does not fit the tables");
+    for (int64_t i = ch.q_start; i < ch.q_start + ch.q_len; ++i)
+      TORCH_CHECK(grouped[i] >= 0 && grouped[i] < seqs && skip[grouped[i]] == ch.ctx_len,
+                  "paged_decode_cascade: a member's skip is not its group's shared length");
+    chunks.push_back(ch);
+  }
+  const float softmax_scale = static_cast<float>(scale);
+  at::Tensor out = at::empty({seqs, q_heads, dv}, q.options());
+  at::Tensor own_lse = at::empty({seqs, q_heads}, q.options());
+  unified_avx512::paged_decode(out.data_ptr<float>(), q.data_ptr<float>(), k_cache.data_ptr<float>(), vp, v_row,
+                               block_tables.data_ptr<int64_t>(), width, lens, seqs, q_heads, kv_heads, block_size, dk,
+                               dv, softmax_scale, 0, skip, own_lse.data_ptr<float>());
+  if (members == 0) return out;
+  const at::Tensor grouped_q = q.index_select(0, order);
+  at::Tensor shared = at::empty({members, q_heads, dv}, q.options());
+  at::Tensor shared_lse = at::empty({members, q_heads}, q.options());
+  const PagedCache cache{k_cache.data_ptr<float>(), vp, v_row, block_size, kv_heads, block_tables.data_ptr<int64_t>(),
+                         width};
+  attend_chunks(shared.data_ptr<float>(), shared_lse.data_ptr<float>(), grouped_q.data_ptr<float>(), q_heads, dk, dv,
+                cache, chunks, softmax_scale, 0, /*causal=*/false);
+  float* op = out.data_ptr<float>();
+  const float *sp = shared.data_ptr<float>(), *slp = shared_lse.data_ptr<float>(), *olp = own_lse.data_ptr<float>();
+  at::parallel_for(0, members * q_heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t i = row / q_heads, h = row % q_heads, target = grouped[i] * q_heads + h;
+      const float a = slp[row], b = olp[target], top = std::max(a, b);
+      const float wa = std::exp(a - top), wb = std::exp(b - top), inv = 1.f / (wa + wb);
+      const __m512 va = _mm512_set1_ps(wa * inv), vb = _mm512_set1_ps(wb * inv);
+      float* dst = op + target * dv;
+      const float* src = sp + row * dv;
+      for (int64_t d = 0; d < dv; d += kLanes)
+        _mm512_storeu_ps(dst + d, _mm512_fmadd_ps(va, _mm512_loadu_ps(src + d), _mm512_mul_ps(vb, _mm512_loadu_ps(dst + d))));
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(unified_cpu, m) {
   m.def("paged_prefill_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor? v_cache, Tensor block_tables, "
         "Tensor chunk_seqs, Tensor chunk_starts, Tensor chunk_lens, Tensor context_lens, float scale, "
-        "int sliding_window) -> ()", &paged_prefill);
+        "int sliding_window, Tensor(b!)? lse=None, bool causal=True) -> ()", &paged_prefill);
   m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
+  m.def("paged_decode_cascade(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor block_tables, Tensor context_lens, "
+        "Tensor order, Tensor chunk_seqs, Tensor chunk_starts, Tensor chunk_lens, Tensor chunk_ctx, Tensor skips, "
+        "float scale, int dv) -> Tensor", &paged_decode_cascade);
 }
 #endif

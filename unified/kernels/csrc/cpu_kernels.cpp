@@ -6,6 +6,8 @@
 // - pack_panels, panel_linear (AVX2 builds only): x @ w.T through a copy of w packed in panels of 16
 //   output features, for any number of rows. Reference: F.linear (linear.py).
 // - rms_norm, silu_and_mul: one pass each. References: unified/kernels/rms_norm.py, activation.py.
+// - norm_rope_, write_kv_rows_: qk-norm and RoPE in place, the KV-cache write. References:
+//   unified/kernels/rotary.py, paged_attention.py (write_kv).
 //
 // Built at first use by unified/kernels/cpu_ops.py with CPU_CAPABILITY set to what ATen dispatches to on
 // this machine (AVX2 or AVX512), so at::vec::Vectorized<float> is that width.
@@ -27,7 +29,8 @@
 namespace unified_avx512 {  // attention_avx512.cpp
 void paged_decode(float* out, const float* q, const float* k_cache, const float* v_cache, int64_t v_row,
                   const int64_t* tables, int64_t width, const int64_t* lens, int64_t seqs, int64_t q_heads,
-                  int64_t kv_heads, int64_t block_size, int64_t dk, int64_t dv, float scale, int64_t sliding_window);
+                  int64_t kv_heads, int64_t block_size, int64_t dk, int64_t dv, float scale, int64_t sliding_window,
+                  const int64_t* skips, float* lse);
 }
 #endif
 
@@ -201,7 +204,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const st
 #if defined(CPU_CAPABILITY_AVX512)
   if (dv % 16 == 0) {
     unified_avx512::paged_decode(op, qp, kp, vp, v_row, tables, width, lens, seqs, q_heads, kv_heads, block_size, dk,
-                                 dv, softmax_scale, sliding_window);
+                                 dv, softmax_scale, sliding_window, nullptr, nullptr);
     return out;
   }
 #endif
@@ -434,6 +437,81 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
+// In place over the q and k heads of a fused projection, x [T, H, D] (heads D apart, tokens any stride): each
+// head optionally RMS-normalised (q_weight for the first q_heads heads, k_weight for the rest; Qwen3's qk-norm),
+// then rotated by RoPE with cos, sin [T, D/2] (the halves convention: x1 = x[:D/2], x2 = x[D/2:]). The same
+// operations in the same order as RMSNorm followed by apply_rotary, in one pass instead of about ten ops.
+void norm_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& q_weight,
+                const std::optional<at::Tensor>& k_weight, int64_t q_heads, double eps) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.stride(1) == x.size(2) &&
+                  x.size(2) % 2 == 0, "norm_rope_: float32 x [T, H, D] with contiguous heads expected");
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == tokens * half && sin.numel() == tokens * half,
+              "norm_rope_: float32 cos, sin [T, D/2] expected");
+  TORCH_CHECK(q_weight.has_value() == k_weight.has_value(), "norm_rope_: both norm weights or neither");
+  const float *qw = nullptr, *kw = nullptr;
+  if (q_weight.has_value()) {
+    TORCH_CHECK(q_weight->scalar_type() == at::kFloat && k_weight->scalar_type() == at::kFloat &&
+                    q_weight->is_contiguous() && k_weight->is_contiguous() && q_weight->numel() == dim &&
+                    k_weight->numel() == dim, "norm_rope_: float32 norm weights [D] expected");
+    qw = q_weight->data_ptr<float>();
+    kw = k_weight->data_ptr<float>();
+  }
+  float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t token_stride = x.stride(0);
+  const float epsilon = static_cast<float>(eps);
+  at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / heads, h = task % heads;
+      float* row = xp + t * token_stride + h * dim;
+      if (qw) {
+        const float squares = at::vec::map_reduce_all<float>([](Vec v) { return v * v; },
+                                                             [](Vec a, Vec b) { return a + b; }, row, dim);
+        const float inv = 1.f / std::sqrt(squares / static_cast<float>(dim) + epsilon);
+        at::vec::map2([inv](Vec v, Vec w) { return w * (v * Vec(inv)); }, row, row, h < q_heads ? qw : kw, dim);
+      }
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      float* x1 = row;
+      float* x2 = row + half;
+      constexpr int64_t w = Vec::size();
+      int64_t i = 0;
+      for (; i + w <= half; i += w) {
+        const Vec a = Vec::loadu(x1 + i), b = Vec::loadu(x2 + i), cv = Vec::loadu(c + i), sv = Vec::loadu(s + i);
+        (a * cv - b * sv).store(x1 + i);
+        (b * cv + a * sv).store(x2 + i);
+      }
+      for (; i < half; ++i) {
+        const float a = x1[i], b = x2[i];
+        x1[i] = a * c[i] - b * s[i];
+        x2[i] = b * c[i] + a * s[i];
+      }
+    }
+  });
+}
+
+// cache rows slots[t] (of a cache viewed as [slots, H, D]) = x[t] [H, D], for x with contiguous rows at any token
+// stride (the K or V heads of a fused projection): the KV-cache write, without index_copy_'s per-call set-up.
+void write_kv_rows_(at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots) {
+  TORCH_CHECK(cache.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && cache.is_contiguous() &&
+                  x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous() && slots.numel() == x.size(0),
+              "write_kv_rows_: float32 cache, x [T, H, D] with contiguous rows, int64 slots [T] expected");
+  const int64_t row = x.size(1) * x.size(2), capacity = cache.numel() / std::max<int64_t>(row, 1);
+  TORCH_CHECK(cache.numel() % std::max<int64_t>(row, 1) == 0, "write_kv_rows_: cache rows do not match x");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "write_kv_rows_: slot ", sp[t], " outside the cache");
+  float* cp = cache.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) std::copy(xp + t * x.stride(0), xp + t * x.stride(0) + row, cp + sp[t] * row);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(unified_cpu, m) {
@@ -442,6 +520,9 @@ TORCH_LIBRARY(unified_cpu, m) {
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor", &skinny_linear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
+  m.def("norm_rope_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor? q_weight, Tensor? k_weight, int q_heads, "
+        "float eps) -> ()", &norm_rope_);
+  m.def("write_kv_rows_(Tensor(a!) cache, Tensor x, Tensor slots) -> ()", &write_kv_rows_);
 #if defined(CPU_CAPABILITY_AVX2)
   m.def("pack_panels(Tensor w) -> Tensor", &pack_panels);
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor", &panel_linear);
