@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_kernels.cpp", "attention_avx512.cpp", "host_allocator.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name
+           for name in ("cpu_kernels.cpp", "attention_avx512.cpp", "argmax_avx512.cpp", "host_allocator.cpp")]
 STALE_LOCK_SECONDS = 600
 # The ATen vector width each CPU capability compiles Vectorized<float> for, and the flags it needs.
 _CAPABILITY_FLAGS = {

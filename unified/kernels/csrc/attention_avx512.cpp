@@ -102,6 +102,20 @@ constexpr ValueTile kValueTiles[4][kValueRows + 1] = {UNIFIED_VALUE_ROW(1), UNIF
                                                       UNIFIED_VALUE_ROW(4)};
 #undef UNIFIED_VALUE_ROW
 
+// The rows values are read from, and their length: the value cache's, or without one (MLA's latent cache) the
+// keys', whose first dv channels are the values.
+std::pair<const float*, int64_t> value_rows(const at::Tensor& k_cache, const std::optional<at::Tensor>& v_cache,
+                                            int64_t dv, const char* op) {
+  if (!v_cache.has_value()) {
+    TORCH_CHECK(dv <= k_cache.size(3), op, ": dv exceeds the key rows");
+    return {k_cache.data_ptr<float>(), k_cache.size(3)};
+  }
+  TORCH_CHECK(v_cache->scalar_type() == at::kFloat && v_cache->is_contiguous() &&
+                  v_cache->sizes().slice(0, 3) == k_cache.sizes().slice(0, 3) && dv <= v_cache->size(3),
+              op, ": the value cache does not match the key cache, or has fewer than dv channels");
+  return {v_cache->data_ptr<float>(), v_cache->size(3)};
+}
+
 struct Task {
   int64_t chunk, kv_head, first_row;  // first_row: the tile's first row in the chunk's [position, group] order
   int64_t keys;                       // how many key positions it reads, for ordering
@@ -259,15 +273,7 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
   TORCH_CHECK(k_cache.size(3) == dk && q_heads % kv_heads == 0 && out.size(0) == q.size(0) && out.size(1) == q_heads,
               "paged_prefill: q, out and the key cache do not match");
   TORCH_CHECK(dv % kLanes == 0, "paged_prefill: dv must be a multiple of 16");
-  const float* vp = k_cache.data_ptr<float>();
-  int64_t v_row = dk;
-  if (v_cache.has_value()) {
-    TORCH_CHECK(v_cache->scalar_type() == at::kFloat && v_cache->is_contiguous() &&
-                v_cache->sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), "paged_prefill: value cache mismatch");
-    vp = v_cache->data_ptr<float>();
-    v_row = v_cache->size(3);
-  }
-  TORCH_CHECK(dv <= v_row, "paged_prefill: dv exceeds the value rows");
+  const auto [vp, v_row] = value_rows(k_cache, v_cache, dv, "paged_prefill");
   TORCH_CHECK(causal || sliding_window <= 0, "paged_prefill: a shared prefix takes no sliding window");
   float* lse_p = nullptr;
   if (lse.has_value()) {
@@ -479,41 +485,6 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
 
 namespace {
 
-// Each row's first maximum, or -1 for a row holding a NaN (whose caller decides what that means). Greedy
-// sampling over a 150k-token vocabulary: one pass at memory speed, where torch's max(-1) also tracks values.
-at::Tensor argmax_rows(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0 &&
-                  x.size(1) < (int64_t(1) << 31), "argmax_rows: a contiguous float32 [rows, V] tensor expected");
-  const int64_t rows = x.size(0), vocab = x.size(1);
-  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
-  int64_t* op = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = xp + r * vocab;
-      __m512 best = _mm512_set1_ps(kMinusInf);
-      __m512i best_index = _mm512_setzero_si512(), index = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
-                                                                              12, 13, 14, 15);
-      const __m512i step = _mm512_set1_epi32(kLanes);
-      __mmask16 nan = 0;
-      for (int64_t j = 0; j < vocab; j += kLanes) {
-        const __mmask16 valid = j + kLanes <= vocab ? static_cast<__mmask16>(0xFFFF)
-                                                    : static_cast<__mmask16>((1u << (vocab - j)) - 1);
-        const __m512 v = _mm512_mask_loadu_ps(_mm512_set1_ps(kMinusInf), valid, row + j);
-        const __mmask16 greater = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
-        best = _mm512_mask_mov_ps(best, greater, v);
-        best_index = _mm512_mask_mov_epi32(best_index, greater, index);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        index = _mm512_add_epi32(index, step);
-      }
-      const float top = _mm512_reduce_max_ps(best);
-      const __mmask16 at_top = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
-      op[r] = nan ? -1 : _mm512_mask_reduce_min_epi32(at_top, best_index);
-    }
-  });
-  return out;
-}
-
 // Cascade decoding (unified/kernels/cascade.py): one query per sequence, q [S, Hq, dk]; caches as paged_decode's.
 // Sequence s attends to its own keys from position skips[s] on; the sequences order[c_start : c_start + c_len]
 // of each group c also attend together, every row to every key, to the c_ctx positions of the prefix they
@@ -535,15 +506,7 @@ at::Tensor paged_decode_cascade(const at::Tensor& q, const at::Tensor& k_cache, 
                   context_lens.numel() == seqs && skips.numel() == seqs && block_tables.size(0) == seqs &&
                   dv % kLanes == 0,
               "paged_decode_cascade: q, caches, tables and lengths do not match");
-  const float* vp = k_cache.data_ptr<float>();
-  int64_t v_row = dk;
-  if (v_cache.has_value()) {
-    TORCH_CHECK(v_cache->scalar_type() == at::kFloat && v_cache->is_contiguous() &&
-                v_cache->sizes().slice(0, 3) == k_cache.sizes().slice(0, 3), "paged_decode_cascade: value cache mismatch");
-    vp = v_cache->data_ptr<float>();
-    v_row = v_cache->size(3);
-  }
-  TORCH_CHECK(dv <= v_row, "paged_decode_cascade: dv exceeds the value rows");
+  const auto [vp, v_row] = value_rows(k_cache, v_cache, dv, "paged_decode_cascade");
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const int64_t* skip = skips.data_ptr<int64_t>();
   const int64_t* grouped = order.data_ptr<int64_t>();
@@ -600,7 +563,6 @@ TORCH_LIBRARY_FRAGMENT(unified_cpu, m) {
   m.def("paged_prefill_(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor? v_cache, Tensor block_tables, "
         "Tensor chunk_seqs, Tensor chunk_starts, Tensor chunk_lens, Tensor context_lens, float scale, "
         "int sliding_window, Tensor(b!)? lse=None, bool causal=True) -> ()", &paged_prefill);
-  m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
   m.def("paged_decode_cascade(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor block_tables, Tensor context_lens, "
         "Tensor order, Tensor chunk_seqs, Tensor chunk_starts, Tensor chunk_lens, Tensor chunk_ctx, Tensor skips, "
         "float scale, int dv) -> Tensor", &paged_decode_cascade);
