@@ -215,6 +215,9 @@ class _Group:
         self.loop, self.request_ids = loop, request_ids
         self.updates: asyncio.Queue = asyncio.Queue()
         self._forwarders: list[asyncio.Task] = []
+        # A failure ends the response at once, ahead of updates still queued: a stream that fell behind the
+        # engine would otherwise send its backlog first, past the shutdown deadline's grace.
+        self._failure: Exception | None = None
 
     async def submit(self, request_id: str, prompt: list[int], params, images) -> None:
         queue = await self.loop.submit(request_id, prompt, params, images)
@@ -224,12 +227,15 @@ class _Group:
     async def _forward(self, index: int, queue: asyncio.Queue) -> None:
         while True:
             update = await queue.get()
+            if isinstance(update, Exception):
+                self._failure = update
             self.updates.put_nowait((index, update))
             if isinstance(update, Exception) or update.final is not None:
                 return
 
     async def next(self) -> tuple[int, object]:
         index, update = await self.updates.get()
+        update = self._failure or update
         if isinstance(update, Exception):
             raise APIError(f"the request could not finish: {update}", status=503, type="server_error")
         return index, update
