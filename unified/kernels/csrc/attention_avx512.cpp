@@ -67,40 +67,48 @@ constexpr int kScorePositions = 6;
 constexpr ScoreTile kScoreTiles[kScorePositions + 1] = {nullptr, score_tile<1>, score_tile<2>, score_tile<3>,
                                                          score_tile<4>, score_tile<5>, score_tile<6>};
 
-// o[r][0:16*V] += sum_j pt[j][r] * values[j][0:16*V] for R query rows and V vectors of value channels.
+// out[r][0:16V] (+)= sum_j w[r * w_row + j * w_key] * values[j][offset:offset + 16V] for R rows of weights
+// (R x V sums in registers), added to what out holds when `accumulate`; the values' rows fetch_ahead rows ahead
+// are asked for on the way (a row of fetch_floats floats; 0: none). Both attention kernels' P V.
 template <int R, int V>
-inline void value_tile(const float* pt, const float* const* values, int64_t n, float* o, int64_t ldo) {
+inline void weighted_rows(const float* w, int64_t w_row, int64_t w_key, const float* const* values, int64_t offset,
+                          int64_t n, float* out, int64_t ldo, bool accumulate, int64_t fetch_ahead,
+                          int64_t fetch_floats) {
   __m512 acc[R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < V; ++c) acc[r][c] = _mm512_loadu_ps(o + r * ldo + c * kLanes);
+    for (int c = 0; c < V; ++c) acc[r][c] = accumulate ? _mm512_loadu_ps(out + r * ldo + c * kLanes) : _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    __m512 v[V];
+    if (fetch_floats && j + fetch_ahead < n)
+      for (int64_t d = 0; d < fetch_floats; d += kLanes)
+        _mm_prefetch(reinterpret_cast<const char*>(values[j + fetch_ahead] + d), _MM_HINT_T0);
+    __m512 x[V];
 #pragma GCC unroll 4
-    for (int c = 0; c < V; ++c) v[c] = _mm512_loadu_ps(values[j] + c * kLanes);
-    const float* p = pt + j * kRows;
+    for (int c = 0; c < V; ++c) x[c] = _mm512_loadu_ps(values[j] + offset + c * kLanes);
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const __m512 w = _mm512_set1_ps(p[r]);
+      const __m512 p = _mm512_set1_ps(w[r * w_row + j * w_key]);
 #pragma GCC unroll 4
-      for (int c = 0; c < V; ++c) acc[r][c] = _mm512_fmadd_ps(w, v[c], acc[r][c]);
+      for (int c = 0; c < V; ++c) acc[r][c] = _mm512_fmadd_ps(p, x[c], acc[r][c]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
-    for (int c = 0; c < V; ++c) _mm512_storeu_ps(o + r * ldo + c * kLanes, acc[r][c]);
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + r * ldo + c * kLanes, acc[r][c]);
 }
 
-using ValueTile = void (*)(const float*, const float* const*, int64_t, float*, int64_t);
+using WeightedRows = void (*)(const float*, int64_t, int64_t, const float* const*, int64_t, int64_t, float*, int64_t,
+                              bool, int64_t, int64_t);
 constexpr int kValueRows = 6;
-// kValueTiles[V - 1][R]: R rows (1-6) x V vectors (1-4) of 16 channels.
-#define UNIFIED_VALUE_ROW(V) \
-  {nullptr, value_tile<1, V>, value_tile<2, V>, value_tile<3, V>, value_tile<4, V>, value_tile<5, V>, value_tile<6, V>}
-constexpr ValueTile kValueTiles[4][kValueRows + 1] = {UNIFIED_VALUE_ROW(1), UNIFIED_VALUE_ROW(2), UNIFIED_VALUE_ROW(3),
-                                                      UNIFIED_VALUE_ROW(4)};
-#undef UNIFIED_VALUE_ROW
+// kWeightedRows[V - 1][R]: R rows (1-6) x V vectors (1-4) of 16 channels.
+#define UNIFIED_WEIGHTED_ROWS(V)                                                                             \
+  {nullptr, weighted_rows<1, V>, weighted_rows<2, V>, weighted_rows<3, V>, weighted_rows<4, V>, weighted_rows<5, V>, \
+   weighted_rows<6, V>}
+constexpr WeightedRows kWeightedRows[4][kValueRows + 1] = {UNIFIED_WEIGHTED_ROWS(1), UNIFIED_WEIGHTED_ROWS(2),
+                                                           UNIFIED_WEIGHTED_ROWS(3), UNIFIED_WEIGHTED_ROWS(4)};
+#undef UNIFIED_WEIGHTED_ROWS
 
 // The rows values are read from, and their length: the value cache's, or without one (MLA's latent cache) the
 // keys', whose first dv channels are the values.
@@ -232,11 +240,9 @@ void attend_chunks(float* op, float* lse_p, const float* qp, int64_t q_heads, in
           }
         for (int64_t d = 0; d < dv; d += 4 * kLanes) {
           const int64_t vectors = std::min<int64_t>(4, (dv - d) / kLanes);
-          const float* shifted[kKeys];
-          for (int64_t j = 0; j < n; ++j) shifted[j] = values[j] + d;
           for (int64_t r = 0; r < rows; r += kValueRows)
-            kValueTiles[vectors - 1][std::min<int64_t>(kValueRows, rows - r)](st.data() + r, shifted, n,
-                                                                               o.data() + r * dv + d, dv);
+            kWeightedRows[vectors - 1][std::min<int64_t>(kValueRows, rows - r)](st.data() + r, 1, kRows, values, d, n,
+                                                                                 o.data() + r * dv + d, dv, true, 0, 0);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -365,41 +371,6 @@ using DecodeScores = void (*)(const float*, int64_t, const float* const*, int64_
 constexpr DecodeScores kDecodeScores[5] = {nullptr, decode_scores<1>, decode_scores<2>, decode_scores<3>,
                                            decode_scores<4>};
 
-// out[g][0:16V] = sum_j weights[g * ld + j] * values[j][0:16V] for G queries (G x V sums in registers).
-template <int G, int V>
-inline void decode_values(const float* weights, int64_t ld, const float* const* values, int64_t offset, int64_t n,
-                          float* out, int64_t ldo, bool fetch_ahead, int64_t row_floats) {
-  __m512 acc[G][V];
-#pragma GCC unroll 4
-  for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
-    for (int c = 0; c < V; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; ++j) {
-    if (fetch_ahead && j + kDecodeAhead < n) prefetch_row(values[j + kDecodeAhead], row_floats);
-    __m512 x[V];
-#pragma GCC unroll 4
-    for (int c = 0; c < V; ++c) x[c] = _mm512_loadu_ps(values[j] + offset + c * kLanes);
-#pragma GCC unroll 4
-    for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(weights[g * ld + j]);
-#pragma GCC unroll 4
-      for (int c = 0; c < V; ++c) acc[g][c] = _mm512_fmadd_ps(p, x[c], acc[g][c]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int g = 0; g < G; ++g)
-#pragma GCC unroll 4
-    for (int c = 0; c < V; ++c) _mm512_storeu_ps(out + g * ldo + c * kLanes, acc[g][c]);
-}
-
-using DecodeValues = void (*)(const float*, int64_t, const float* const*, int64_t, int64_t, float*, int64_t, bool,
-                             int64_t);
-#define UNIFIED_DECODE_VALUES(G) {nullptr, decode_values<G, 1>, decode_values<G, 2>, decode_values<G, 3>, decode_values<G, 4>}
-constexpr DecodeValues kDecodeValues[5][5] = {{nullptr, nullptr, nullptr, nullptr, nullptr}, UNIFIED_DECODE_VALUES(1),
-                                              UNIFIED_DECODE_VALUES(2), UNIFIED_DECODE_VALUES(3),
-                                              UNIFIED_DECODE_VALUES(4)};
-#undef UNIFIED_DECODE_VALUES
-
 // Softmax of a row in place (its exponentials normalised to sum 1); returns the row's log-sum-exp.
 inline float softmax_row(float* row, int64_t n) {
   __m512 top = _mm512_set1_ps(kMinusInf);
@@ -473,8 +444,8 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
         const int64_t count = std::min<int64_t>(4, group - g);
         for (int64_t d = 0; d < dv; d += 4 * kLanes) {
           const int64_t vectors = std::min<int64_t>(4, (dv - d) / kLanes);
-          kDecodeValues[count][vectors](scores.data() + g * n, n, values.data(), d, n, out_s + g * dv + d, dv,
-                                        g == 0 && d == 0, dv);
+          kWeightedRows[vectors - 1][count](scores.data() + g * n, n, 1, values.data(), d, n, out_s + g * dv + d, dv,
+                                            false, kDecodeAhead, g == 0 && d == 0 ? dv : 0);
         }
       }
     }
