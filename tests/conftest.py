@@ -105,7 +105,7 @@ def smollm2_checkpoint():
 
 
 def build_tiny_chat_checkpoint(path: Path, tokenizer_from: Path, seed: int = 0, hidden_size: int = 64,
-                               init_std: float = 0.5) -> Path:
+                               init_std: float = 0.5, max_positions: int = 1024) -> Path:
     """A 2-layer random Llama with `tokenizer_from`'s tokenizer and chat template: fast, but chats.
 
     By default its weights are drawn wide (std 0.5) so logits are spread and greedy choices have clear margins."""
@@ -115,7 +115,7 @@ def build_tiny_chat_checkpoint(path: Path, tokenizer_from: Path, seed: int = 0, 
 
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=49152, hidden_size=hidden_size, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                          initializer_range=init_std, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     LlamaForCausalLM(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):

@@ -7,6 +7,7 @@ import time
 
 import httpx
 
+from tests.conftest import build_tiny_chat_checkpoint
 from tests.serve.conftest import ServerProcess, stream_in_background
 
 KEY = "test-key-123"
@@ -77,17 +78,19 @@ def test_start_up_auth_answer_and_graceful_shutdown(smollm2_checkpoint):
         server.stop()
 
 
-def test_shutdown_deadline_cancels_what_is_left(tiny_chat_checkpoint):
-    server = ServerProcess(tiny_chat_checkpoint, "serve.shutdown_timeout_s=0.5", "serve.warm_up=false")
+def test_shutdown_deadline_cancels_what_is_left(tmp_path, smollm2_checkpoint):
+    # A long context, so the stream cannot finish within the deadline however fast the engine runs.
+    checkpoint = build_tiny_chat_checkpoint(tmp_path / "long", smollm2_checkpoint, max_positions=8192)
+    server = ServerProcess(checkpoint, "serve.shutdown_timeout_s=0.5", "serve.warm_up=false")
     try:
         server.wait_ready()
         events, client = stream_in_background(server.base_url + "/v1/completions", {
-            "model": server.model_name, "prompt": "Go on", "max_tokens": 1000, "stream": True, "ignore_eos": True})
+            "model": server.model_name, "prompt": "Go on", "max_tokens": 4000, "stream": True, "ignore_eos": True})
         server.proc.send_signal(signal.SIGTERM)
         client.join(60)
         assert server.proc.wait(60) == 0, server.output()
-        assert events[-1] == "[DONE]"
-        assert "shut down" in json.loads(events[-2])["error"]["message"]
+        assert events[-1] == "[DONE]", (len(events), events[-3:], server.output()[-3000:])
+        assert "shut down" in json.loads(events[-2]).get("error", {}).get("message", ""), (len(events), events[-3:])
     finally:
         server.stop()
 
