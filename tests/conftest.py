@@ -25,6 +25,11 @@ warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not
 
 import torch  # noqa: E402
 
+# Without a GPU the Triton kernels run in Triton's interpreter, which must be chosen before triton is first
+# imported (its own library functions are decorated then); tests pick the backend (kernels.registry).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 
 _COMMON = dict(vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,

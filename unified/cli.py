@@ -58,6 +58,9 @@ def run_job(cfg) -> None:
         _fail(f"job={cfg.job!r} is unknown; jobs: {', '.join(JOBS)}")
     ended_normally = False
     try:
+        from unified.kernels import set_backend
+
+        set_backend(cfg.kernels.backend)
         importlib.import_module(JOBS[cfg.job]).run(cfg)
         ended_normally = True
     except UserError as err:

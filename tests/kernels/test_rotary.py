@@ -7,7 +7,7 @@ import torch
 
 from unified import kernels
 from unified.kernels import cpu_ops
-from unified.model.rope import apply_rotary
+from unified.kernels.rotary import apply_rotary
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])

@@ -28,6 +28,13 @@ class ParallelConfig:
 
 
 @dataclass
+class KernelsConfig:
+    # auto | reference | triton | cpu: which implementation runs each op (unified/kernels/registry.py);
+    # UNIFIED_CPU_KERNELS=0 instead keeps the C++ kernels from being built at all
+    backend: str = "auto"
+
+
+@dataclass
 class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
     max_num_seqs: int = 64  # sequences in one step
@@ -223,6 +230,7 @@ class RunConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    kernels: KernelsConfig = field(default_factory=KernelsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
     check: ParityCheckConfig = field(default_factory=ParityCheckConfig)

@@ -151,7 +151,7 @@ class PagedAttentionContext:
         return kernels.paged_attention(q, values[0], v_cache, self.meta.block_tables, self.meta.query_start,
                                        self.meta.context_lens, scale, sliding_window=sliding_window,
                                        k_scale=scales[0], v_scale=v_scale, kv_bits=self.cache.bits, v_head_dim=v_dim,
-                                       plan=self._plan(sliding_window))
+                                       plan=None if torch.compiler.is_compiling() else self._plan(sliding_window))
 
     def attend(self, layer, q, k, v, scale, sliding_window):
         values, scales, centres = self.cache.values[layer], self.cache.scales[layer], self.cache.key_centres

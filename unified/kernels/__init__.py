@@ -1,7 +1,9 @@
 """Custom ops. Model and engine code call these functions, never an implementation directly.
 
 Each op has a plain-PyTorch reference (any device, the ground truth in tests) and, where one exists,
-a faster path chosen by the input's device and dtype.
+a faster path chosen by the input's device and dtype (registry.py: C++ on CPU, Triton on accelerators; the
+sources are in the repository's kernels/ folder). Each is also a `torch.ops.unified` custom op (ops.py), which
+traced code calls.
 """
 from unified.kernels.activation import gated_activation, gated_activation_reference
 from unified.kernels.argmax import argmax_rows, argmax_rows_reference
@@ -9,9 +11,11 @@ from unified.kernels.cpu_ops import training_path
 from unified.kernels.kv_quant import dequantize_kv, packed_dim, quantize_kv, scale_layout
 from unified.kernels.linear import PackedWeight, linear, pack_weight, takes_inference_path
 from unified.kernels.paged_attention import AttentionPlan, paged_attention, plan_paged_attention, write_kv
-from unified.kernels.rms_norm import rms_norm, rms_norm_reference
-from unified.kernels.rotary import norm_rope_, norm_rope_applies
+from unified.kernels.registry import set_backend
+from unified.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
+from unified.kernels.rotary import apply_rotary, norm_rope_, norm_rope_applies
+from unified.kernels import ops  # noqa: E402,F401 (registers torch.ops.unified.*)
 
-__all__ = ["AttentionPlan", "PackedWeight", "argmax_rows", "argmax_rows_reference", "dequantize_kv", "gated_activation", "gated_activation_reference", "linear",
+__all__ = ["AttentionPlan", "PackedWeight", "add_rms_norm", "apply_rotary", "argmax_rows", "argmax_rows_reference", "dequantize_kv", "gated_activation", "gated_activation_reference", "linear",
            "norm_rope_", "norm_rope_applies", "pack_weight", "packed_dim", "paged_attention", "plan_paged_attention", "quantize_kv", "rms_norm",
-           "rms_norm_reference", "scale_layout", "takes_inference_path", "training_path", "write_kv"]
+           "rms_norm_reference", "scale_layout", "set_backend", "takes_inference_path", "training_path", "write_kv"]

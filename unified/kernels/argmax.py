@@ -1,7 +1,7 @@
 """Greedy choice: each row's first maximum.
 
 The reference is torch's `max(-1).indices` (a row holding a NaN gives that NaN's index). On AVX-512 CPUs,
-float32 rows go through one vectorised pass (`unified_cpu::argmax_rows`, csrc/argmax_avx512.cpp) that
+float32 rows go through one vectorised pass (`unified_cpu::argmax_rows`, kernels/cpu/argmax_avx512.cpp) that
 tracks indices only; rows with a NaN fall back to the reference.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""C++ CPU kernels (unified/kernels/csrc), compiled on first use for this machine's vector width.
+"""C++ CPU kernels (kernels/cpu in the repository), compiled on first use for this machine's vector width.
 
 `torch.utils.cpp_extension` builds them once (about 20-40 s; cached under ~/.cache/torch_extensions, or
 TORCH_EXTENSIONS_DIR) and registers them as `torch.ops.unified_cpu.*`. A build killed midway leaves
@@ -10,7 +10,6 @@ reason is logged once.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import logging
 import os
@@ -20,8 +19,11 @@ from pathlib import Path
 
 import torch
 
+from unified.kernels.sources import sources_root
+from unified.tracing import TracedContextVar
+
 log = logging.getLogger(__name__)
-SOURCES = [Path(__file__).parent / "csrc" / name
+SOURCES = [sources_root() / "cpu" / name
            for name in ("cpu_kernels.cpp", "attention_avx512.cpp", "argmax_avx512.cpp", "host_allocator.cpp")]
 STALE_LOCK_SECONDS = 600
 # The ATen vector width each CPU capability compiles Vectorized<float> for, and the flags it needs.
@@ -46,7 +48,7 @@ def available() -> bool:
         return False
 
 
-_TRAINING_PATH = contextvars.ContextVar("unified_training_path", default=False)
+_TRAINING_PATH = TracedContextVar("unified_training_path", default=False)
 
 
 @contextlib.contextmanager
@@ -101,7 +103,7 @@ def _build() -> None:
 
 
 def cache_host_allocations() -> bool:
-    """Installs csrc/host_allocator.cpp's caching allocator for CPU tensors (blocks of 1 MiB and more are kept
+    """Installs kernels/cpu/host_allocator.cpp's caching allocator for CPU tensors (blocks of 1 MiB and more are kept
     when freed, up to an eighth of the machine's memory, and handed out again), so that an engine step does not
     page-fault its large activations in afresh every time. False where the kernels are not built."""
     if not available():

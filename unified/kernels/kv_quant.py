@@ -39,7 +39,16 @@ def _rotate(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return x @ (h.T if inverse else h)
 
 
-def _group(head_dim: int) -> int:
+def rotation(dim: int, device, identity: bool = False) -> torch.Tensor | None:
+    """The [dim, dim] rotation quantised rows are stored in (x @ it): the Hadamard matrix, or where dim is not
+    a power of two None (the identity, with `identity`)."""
+    h = _hadamard(dim)
+    if h is None:
+        return torch.eye(dim, device=device) if identity else None
+    return h.to(device)
+
+
+def int4_group(head_dim: int) -> int:
     return INT4_GROUP if head_dim % INT4_GROUP == 0 else head_dim
 
 
@@ -51,7 +60,7 @@ def scale_layout(head_dim: int, bits: int, zero_point: bool = False) -> tuple[tu
     """Trailing shape and dtype of the scales kept per token per head; int4 with zero-points: scales, then zeros."""
     if bits == 8:
         return (), torch.float32
-    return ((1 + zero_point) * head_dim // _group(head_dim),), torch.float16
+    return ((1 + zero_point) * head_dim // int4_group(head_dim),), torch.float16
 
 
 def quantize_kv(x: torch.Tensor, bits: int, centre: torch.Tensor | None = None,
@@ -66,7 +75,7 @@ def quantize_kv(x: torch.Tensor, bits: int, centre: torch.Tensor | None = None,
         y = _rotate(x32)
         scale = y.abs().amax(dim=-1).clamp(min=1e-8) / QMAX[8]
         return torch.round(y / scale.unsqueeze(-1)).clamp_(-QMAX[8] - 1, QMAX[8]).to(torch.int8), scale
-    g = _rotate(x32).unflatten(-1, (-1, _group(x.shape[-1])))  # [..., groups, group]
+    g = _rotate(x32).unflatten(-1, (-1, int4_group(x.shape[-1])))  # [..., groups, group]
     if zero_point:
         low, high = torch.aminmax(g, dim=-1, keepdim=True)
         zero = low.half()
@@ -84,7 +93,7 @@ def quantize_kv(x: torch.Tensor, bits: int, centre: torch.Tensor | None = None,
 def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
     if bits == 8:
         return _rotate(q.to(torch.float32) * scale.unsqueeze(-1), inverse=True).to(dtype)
-    groups = (2 * q.shape[-1]) // _group(2 * q.shape[-1])
+    groups = (2 * q.shape[-1]) // int4_group(2 * q.shape[-1])
     y = torch.stack((q & 0xF, q >> 4), dim=-1).float().view(*q.shape[:-1], groups, -1)  # [..., groups, group]
     params = scale.float().unsqueeze(-1)  # [..., groups (then as many zeros), 1]
     y = y.mul_(params[..., :groups, :]).add_(params[..., groups:, :]) if params.shape[-2] > groups \

@@ -4,7 +4,7 @@ On CPU, in float32 and with no gradient wanted, `linear` avoids F.linear's MKL s
 
 - An inference engine hands `linear` a `PackedWeight` (`pack_weight`; vLLM's CPU backend prepacks its
   weights too). On AVX2 machines that is our panel layout (16 output features per panel, each a
-  contiguous stream), multiplied by `unified_cpu::panel_linear` (csrc): 1.01-1.45x over oneDNN on its
+  contiguous stream), multiplied by `unified_cpu::panel_linear` (kernels/cpu): 1.01-1.45x over oneDNN on its
   own packing for 1-2048 rows of SmolLM2's weights (`bench/matmul.py`), and at one row (batch-1 decode)
   it reads the weight at about the memory bandwidth. Elsewhere (no C++ kernels, AVX512 machines where oneDNN has wider
   vectors than our kernel) the copy is oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`).
@@ -70,7 +70,7 @@ def takes_inference_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """F.linear: x [..., in] @ weight [out, in].T + bias, through `packed` when it is still the weight's."""
-    if not takes_inference_path(x, weight):
+    if torch.compiler.is_compiling() or not takes_inference_path(x, weight):
         return F.linear(x, weight, bias)
     rows = x.numel() // max(x.shape[-1], 1)
 

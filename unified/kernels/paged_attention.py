@@ -11,25 +11,27 @@ of the sequences in the batch, never the whole cache: all one-token (decode) que
 single gather of their blocks, padded to the longest context, and one masked SDPA; each multi-token
 (prefill) chunk gathers its own blocks and runs one SDPA. On CPU, float32 attention over unquantised
 caches instead goes through C++ kernels that read the rows in place through the block tables, with no
-gathered copy: decodes through csrc/cpu_kernels.cpp's paged_decode, and on AVX-512 builds all of a
-step's prefill chunks through one call of csrc/attention_avx512.cpp (a flash-style kernel that reads each
+gathered copy: decodes through kernels/cpu/cpu_kernels.cpp's paged_decode, and on AVX-512 builds all of a
+step's prefill chunks through one call of kernels/cpu/attention_avx512.cpp (a flash-style kernel that reads each
 K/V row once for a tile of query positions times the query heads sharing it, skipping the tiles above
 the causal diagonal); decodes that share prefix blocks attend to them together (cascade.py). Decodes read
 whole blocks and mask the slots past each sequence's end, so those slots must hold finite values (a masked
 NaN still gives 0 * NaN): caches start zeroed. Quantised caches (int8/int4, see kv_quant.py) are
 dequantised right after the gather; int4 keys come back shifted by their cache's constant centre, which
-leaves the softmax unchanged.
+leaves the softmax unchanged. On accelerators one Triton kernel (kernels/triton/paged_attention.py) runs the
+whole step, decodes and prefill chunks, reading blocks in place and dequantising quantised ones inside.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from unified.kernels import cpu_ops
+from unified.kernels import cpu_ops, registry
 from unified.kernels.cascade import CascadePlan, cascade_decode, plan_cascade
-from unified.kernels.kv_quant import dequantize_kv, quantize_kv
+from unified.kernels.kv_quant import dequantize_kv, int4_group, quantize_kv, rotation
+from unified.kernels.sources import triton_module
 
 
 def _select(cache: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, bits: int | None,
@@ -79,6 +81,10 @@ class AttentionPlan:
     # the same chunks as int64 tensors for the CPU kernel: sequences, first rows, lengths, context lengths
     prefill_chunks: tuple[torch.Tensor, ...] = ()
     cascade: CascadePlan | None = None  # decodes that share prefix blocks, where attending them together pays
+    # The whole step's query starts and context lengths, for the Triton kernel (built on its first layer)
+    query_start: tuple[int, ...] = ()
+    context_lens: tuple[int, ...] = ()
+    device_tensors: dict = field(default_factory=dict, compare=False)
 
 
 def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], context_lens: list[int],
@@ -90,10 +96,11 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
                 for s, start, end in spans if end - start > 1]
     chunks = tuple(torch.tensor(column, dtype=torch.int64, device=device) for column in
                    zip(*[(s, start, end - start, context_lens[s]) for s, start, end, _ in prefills])) if prefills else ()
+    steps = (tuple(query_start), tuple(context_lens))
     if not decodes:
         empty = block_tables.new_empty(0)
         return AttentionPlan(None, [], empty, empty, torch.empty(0, dtype=torch.bool), sliding_window, prefills,
-                             chunks)
+                             chunks, None, *steps)
     lens = [context_lens[s] for s in decodes]
     width = -(-max(lens) // block_size)
     tables = block_tables if len(decodes) == len(spans) else block_tables[torch.tensor(decodes, device=device)]
@@ -107,7 +114,7 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
     cascade = (plan_cascade(tables, lens, block_size) if sliding_window is None and device.type == "cpu"
                and cpu_ops.available() and hasattr(torch.ops.unified_cpu, "paged_decode_cascade") else None)
     return AttentionPlan(rows, decodes, tables, lens_t[:, 0], visible[:, None, None, :], sliding_window, prefills,
-                         chunks, cascade)
+                         chunks, cascade, *steps)
 
 
 def _cpu_decode_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
@@ -157,8 +164,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (callers running many layers build it once); None builds it here."""
     block_size = k_cache.shape[1]
     dv = v_head_dim or (v_cache.shape[-1] * (2 if kv_bits == 4 else 1) if v_cache is not None else q.shape[-1])
+    if torch.compiler.is_compiling():  # one opaque op in a traced graph (ops.py)
+        return torch.ops.unified.paged_attention(q, k_cache, v_cache, block_tables, list(query_start),
+                                                 list(context_lens), scale, sliding_window, k_scale, v_scale, kv_bits,
+                                                 v_head_dim)
+    if q.shape[0] == 0:
+        return q.new_empty(0, q.shape[1], dv)
     if plan is None:
         plan = plan_paged_attention(block_tables, query_start, context_lens, block_size, sliding_window)
+    if registry.use_triton(q, k_cache) and triton_module("paged_attention").applies(q, k_cache, dv, kv_bits):
+        return _triton_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, plan, scale, kv_bits, dv)
     if not plan.prefills:  # a pure decode step
         return _decode_batch(q, k_cache, v_cache, k_scale, v_scale, plan, scale, kv_bits, dv)
     out = q.new_empty(q.shape[0], q.shape[1], dv)
@@ -178,6 +193,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         attn = _prefill(qs, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), mask, scale)
         out[start:end] = attn[0].transpose(0, 1)
     return out
+
+
+def _triton_attention(q: torch.Tensor, k_cache, v_cache, k_scale, v_scale, block_tables: torch.Tensor,
+                      plan: AttentionPlan, scale: float, kv_bits: int | None, dv: int) -> torch.Tensor:
+    """The Triton kernel over every row of the step. Quantised rows are stored rotated: q goes into that basis
+    and the output comes back from it."""
+    module = triton_module("paged_attention")
+    meta = plan.device_tensors
+    if "tiles" not in meta:  # once per step, not per layer
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=q.device)  # noqa: E731
+        meta["tiles"] = module.tiles(list(plan.query_start), q.shape[1], k_cache.shape[2], q.device)
+        meta["query_start"], meta["context_lens"] = as_tensor(plan.query_start), as_tensor(plan.context_lens)
+    turn = rotation(q.shape[-1], q.device) if kv_bits else None
+    if turn is not None:
+        q = q @ turn.to(q.dtype)
+    out = module.paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, meta["query_start"],
+                                 meta["context_lens"], meta["tiles"], scale, plan.sliding_window, kv_bits, dv)
+    return out if turn is None else out @ rotation(dv, q.device).to(out.dtype).T
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -210,6 +243,17 @@ def write_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Ten
              kv_bits: int | None, centre: torch.Tensor | None = None) -> None:
     """Stores x [T, H, D] at flat slot indices (block * block_size + offset), quantising if asked. int4 keys
     pass their cache's `centre` [H, D], subtracted before quantising, and are stored with zero-points."""
+    if torch.compiler.is_compiling():
+        torch.ops.unified.write_kv_(cache, scale_cache, x, slots, kv_bits, centre)
+        return
+    if registry.use_triton(cache, x) and slots.device == x.device and triton_module("kv_cache").applies(x, kv_bits):
+        kernels = triton_module("kv_cache")
+        if kv_bits is None:
+            kernels.write_rows(cache, x, slots)
+        else:
+            kernels.quantize_rows(cache, scale_cache, x, slots, kv_bits, rotation(x.shape[-1], x.device, identity=True),
+                                  int4_group(x.shape[-1]), centre)
+        return
     flat = cache.view(-1, *cache.shape[2:])
     if kv_bits is None:
         if (x.dim() == 3 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and cache.is_contiguous()

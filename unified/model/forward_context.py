@@ -8,10 +8,11 @@ attend. The model never sees a cache layout, and its forward stays `(input_ids, 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Iterator, Protocol
 
 import torch
+
+from unified.tracing import TracedContextVar
 
 
 class AttentionContext(Protocol):
@@ -26,7 +27,7 @@ class AttentionContext(Protocol):
     # space; without it MLA expands keys and values per head and calls `attend`.
 
 
-_current: contextvars.ContextVar[AttentionContext | None] = contextvars.ContextVar("forward_context", default=None)
+_current: TracedContextVar[AttentionContext | None] = TracedContextVar("forward_context", default=None)
 
 
 def get_forward_context() -> AttentionContext | None:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from unified.kernels.rotary import apply_rotary
+
 
 def rope_frequencies(rope_parameters: dict, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
     """Returns (inv_freq [head_dim/2 or less], attention_scaling) for a checkpoint's rope_parameters."""
@@ -34,19 +36,6 @@ def rope_frequencies(rope_parameters: dict, head_dim: int, max_position_embeddin
     hf_config.rope_parameters = params
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
     return inv_freq.float(), float(scaling)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x: [..., heads, D]; cos, sin: [..., D/2] (or fewer: partial rotary, the rest passes through)."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    rotated = x.shape[-1] if cos.shape[-1] * 2 == x.shape[-1] else cos.shape[-1] * 2
-    x_rot, x_pass = x[..., :rotated], x[..., rotated:]
-    if interleaved:
-        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
-    else:
-        x1, x2 = x_rot.chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return torch.cat((out, x_pass), dim=-1) if x_pass.numel() else out
 
 
 class RotaryEmbedding(nn.Module):

@@ -12,15 +12,15 @@ megatron-core's own mappings allocate on `torch.cuda.current_device()`, so these
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from unified.runtime.comm import collective
+from unified.tracing import TracedContextVar
 
-_active: contextvars.ContextVar[bool] = contextvars.ContextVar("sequence_parallel", default=False)
+_active: TracedContextVar[bool] = TracedContextVar("sequence_parallel", default=False)
 
 
 def active() -> bool:

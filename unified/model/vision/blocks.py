@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from unified import kernels
+from unified.kernels.rotary import apply_rotary
 from unified.model.mlp import activation
 from unified.model.norm import RMSNorm
-from unified.model.rope import apply_rotary
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, head_dim/2] in fp32
 
