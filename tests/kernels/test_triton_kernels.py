@@ -204,3 +204,46 @@ def test_kv_cache_write_quantises_like_the_reference(backend, monkeypatch, bits,
         codes, ref_codes = (torch.stack((c & 0xF, c >> 4), -1).flatten(-2) for c in (codes, ref_codes))
     gap = (codes.int() - ref_codes.int()).abs()
     assert gap.max() <= 1 and (gap > 0).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("scoring, experts, groups, topk_groups, top_k, bias, renormalize", [
+    ("softmax", 8, 1, 1, 2, False, True),  # Mixtral / Qwen-MoE
+    ("softmax", 12, 1, 1, 3, False, False),  # not a power of two
+    ("sigmoid", 16, 4, 2, 4, True, True),  # DeepSeek-V3: bias for choosing, group-limited
+    ("sigmoid", 16, 1, 1, 8, True, True),  # Kimi-K2: one group
+])
+def test_moe_routing(backend, monkeypatch, scoring, experts, groups, topk_groups, top_k, bias, renormalize):
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(9, experts, generator=g)
+    score_bias = torch.randn(experts, generator=g) * 0.1 if bias else None
+    args = (logits, top_k, scoring, score_bias, groups, topk_groups, renormalize, 2.5)
+    backend("triton")
+    calls = _spy(monkeypatch, "moe", "route_topk")
+    with torch.no_grad():
+        weights, ids = kernels.route_topk(*args)
+    assert calls
+    ref_weights, ref_ids = importlib.import_module("unified.kernels.moe").route_topk_reference(*args)
+    assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
+    torch.testing.assert_close(weights.gather(1, ids.argsort(-1)), ref_weights.gather(1, ref_ids.argsort(-1)))
+
+
+@pytest.mark.parametrize("tokens, experts, first, local, top_k", [(7, 4, 0, 4, 2), (19, 8, 2, 3, 3), (1, 4, 0, 4, 1),
+                                                                 (0, 4, 0, 4, 2)])
+def test_moe_experts_grouped_matmuls(backend, monkeypatch, tokens, experts, first, local, top_k):
+    """Routed experts over expert-sorted rows; `first`/`local`: this rank's slice under expert parallelism."""
+    g = torch.Generator().manual_seed(5)
+    hidden, inter = 24, 40
+    x = torch.randn(tokens, hidden, dtype=torch.float64, generator=g)
+    gate_up = torch.randn(local, 2 * inter, hidden, dtype=torch.float64, generator=g) * 0.2
+    down = torch.randn(local, hidden, inter, dtype=torch.float64, generator=g) * 0.2
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]) if tokens \
+        else torch.zeros(0, top_k, dtype=torch.long)
+    weights = torch.rand(tokens, top_k, dtype=torch.float64, generator=g)
+    backend("triton")
+    calls = _spy(monkeypatch, "moe", "experts")
+    with torch.no_grad():
+        out = kernels.moe_experts(x, gate_up, down, weights, ids, first, F.silu)
+    assert calls
+    expected = importlib.import_module("unified.kernels.moe").experts_reference(x, gate_up, down, weights, ids, first,
+                                                                               F.silu)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)

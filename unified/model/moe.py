@@ -1,12 +1,9 @@
 """Mixture-of-experts block: router, routed experts, optional shared expert.
 
-Routing covers the three families we import:
-  - softmax over all experts, top-k, optional renormalisation (Mixtral, Qwen-MoE);
-  - sigmoid scores plus an aux-loss-free correction bias used only for choosing experts, group-limited
-    top-k (pick `topk_groups` of `num_groups` groups by their top-2 score sum), renormalisation and a
-    routed scaling factor (DeepSeek-V3, Kimi-K2).
-Experts are stored stacked ([E, 2I, H] and [E, H, I]); expert parallelism gives each rank a contiguous
-slice. Tokens are sorted by expert and each expert runs one matmul over its tokens.
+Routing (kernels.route_topk) covers the three families we import: softmax top-k (Mixtral, Qwen-MoE) and
+sigmoid scores with a correction bias and group-limited top-k (DeepSeek-V3, Kimi-K2). Experts are stored
+stacked ([E, 2I, H] and [E, H, I]); expert parallelism gives each rank a contiguous slice; kernels.moe_experts
+sorts tokens by expert and runs each expert's matmuls over its tokens.
 """
 from __future__ import annotations
 
@@ -33,24 +30,8 @@ class Router(nn.Module):
         """x: [T, H] -> (weights [T, k], expert ids [T, k])."""
         moe = self.moe
         logits = torch.nn.functional.linear(x.float(), self.weight.float())  # [T, E]
-        if moe.scoring == "softmax":
-            scores = logits.softmax(dim=-1)
-        elif moe.scoring == "sigmoid":
-            scores = logits.sigmoid()
-        else:
-            raise ValueError(f"unknown MoE scoring function {moe.scoring!r}; expected 'softmax' or 'sigmoid'")
-        choice = scores if self.score_bias is None else scores + self.score_bias
-        if moe.num_groups > 1:
-            grouped = choice.view(-1, moe.num_groups, moe.num_experts // moe.num_groups)  # [T, G, E/G]
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool)
-            keep.scatter_(1, group_scores.topk(moe.topk_groups, dim=-1).indices, True)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
-        ids = choice.topk(moe.top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-        if moe.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * moe.routed_scaling_factor, ids
+        return kernels.route_topk(logits, moe.top_k, moe.scoring, self.score_bias, moe.num_groups, moe.topk_groups,
+                                  moe.norm_topk_prob, moe.routed_scaling_factor)
 
 
 def _expert_group():
@@ -84,26 +65,7 @@ class Experts(nn.Module):
         return self._exchange(x, weights, ids)
 
     def _local(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        top_k = ids.shape[-1]
-        local = ids.flatten() - self.first  # [T*k]
-        picks = ((local >= 0) & (local < self.num_local)).nonzero().squeeze(1)
-        local = local[picks]
-        order = local.argsort(stable=True)
-        picks = picks[order]
-        token_of = picks // top_k
-        counts = torch.bincount(local, minlength=self.num_local).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            rows = token_of[start:start + count]
-            hidden = kernels.gated_activation(torch.nn.functional.linear(x[rows], self.gate_up[expert]), self.act)
-            y = torch.nn.functional.linear(hidden, self.down[expert])
-            y = y * weights.flatten()[picks[start:start + count], None].to(y.dtype)
-            out.index_add_(0, rows, y)
-            start += count
-        return out
+        return kernels.moe_experts(x, self.gate_up, self.down, weights, ids, self.first, self.act)
 
     def _exchange(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         dist, group = torch.distributed, self.group
