@@ -162,7 +162,7 @@ def experts(x, gate_up, down, weights, ids, first):
             SCATTER=scatter, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
             ACC=tl.float64 if x.dtype == torch.float64 else tl.float32)
 
-    up = x.new_empty(capacity, two_inter)
+    up = x.new_zeros(capacity, two_inter)  # padding rows stay finite through the activation
     matmul(x, gate_up, up, two_inter, hidden, True, False)
     hidden_rows = triton_module("activation").silu_and_mul(up)  # [capacity, I]
     matmul(hidden_rows, down, out, hidden, two_inter // 2, False, True)
