@@ -38,6 +38,7 @@ FAMILIES = ("llama", "qwen2", "mixtral", "qwen3_moe", "deepseek_v3")
 class Check:
     def __init__(self, args):
         self.dry = args.dry_run
+        self.quick = args.quick
         self.device = "cpu" if self.dry else "cuda"
         self.out = Path(args.out)
         self.work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
@@ -146,6 +147,81 @@ def kernels(check: Check) -> dict:
         back = dequantize_kv(values, scale, bits, dtype)
         res[f"kv_quant/int{bits}/cosine"] = F.cosine_similarity(back.float().flatten(), x.float().flatten(), 0).item()
         res[f"kv_quant/int{bits}/quantize_us"] = check.timed(lambda: quantize_kv(x, bits)) * 1e6
+    return res
+
+
+def triton_kernels(check: Check) -> dict:
+    """The Triton kernels natively: the kernel test files on the device, then each op on the default backend
+    (Triton on the GPU; C++ or the references in a dry run) against its reference: max |diff| and times."""
+    from unified import kernels
+    from unified.kernels import registry
+
+    res = {}
+    tests = ["tests/kernels/test_triton_kernels.py", "tests/engine/test_kernel_backends.py"]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    res["pytest"] = (run.stdout.strip().splitlines() or ["no output"])[-1]
+    dev, dtype, g = check.device, torch.bfloat16, torch.Generator().manual_seed(0)
+    small = check.dry or check.quick
+    tokens, hidden, heads, kv_heads, dim, experts, inter = (
+        (32, 128, 4, 2, 64, 8, 64) if small else (4096, 4096, 32, 8, 128, 64, 1408))
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dev, dtype)
+
+    x, w = rand(tokens, hidden), rand(hidden)
+    qk = rand(1, tokens, heads + kv_heads, dim)
+    angles = torch.rand(1, tokens, dim // 2, generator=g).to(dev)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    blocks, block = tokens // 16 + 2, 16
+    slots = torch.randperm(blocks * block, generator=g)[:tokens].to(dev)
+    logits = torch.randn(tokens, experts, generator=g).to(dev)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:4] for _ in range(tokens)]).to(dev)
+    weights = torch.rand(tokens, 4, generator=g).to(dev, dtype)
+    gate_up, down = rand(experts, 2 * inter, hidden, scale=0.05), rand(experts, hidden, inter, scale=0.05)
+
+    def write_int8():
+        cache = torch.zeros(blocks, block, kv_heads, dim, dtype=torch.int8, device=dev)
+        scales = torch.zeros(blocks, block, kv_heads, device=dev)
+        kernels.write_kv(cache, scales, qk[0, :, heads:], slots, 8)
+        return kernels.dequantize_kv(cache, scales, 8, dtype)
+
+    gate_up_rows = rand(tokens, 2 * hidden)
+
+    def rope():
+        out = qk.clone()
+        norm = (w[:dim], w[:dim])
+        if kernels.norm_rope_applies(out, cos, False, *norm):
+            kernels.norm_rope_(out, cos, sin, *norm, heads, 1e-6)
+            return out
+        q, k = out.split([heads, kv_heads], dim=2)
+        normed = torch.cat([kernels.rms_norm_reference(part, w[:dim], 1e-6) for part in (q, k)], dim=2)
+        return kernels.apply_rotary(normed, cos, sin, interleaved=False)
+
+    ops = {
+        "rms_norm": (lambda: kernels.rms_norm(x, w, 1e-6), lambda: F.rms_norm(x, (hidden,), w, 1e-6)),
+        "add_rms_norm": (lambda: kernels.add_rms_norm(x, x, w, 1e-6)[0], None),
+        "silu_and_mul": (lambda: kernels.gated_activation(gate_up_rows, F.silu), None),
+        "norm_rope": (rope, None),
+        "write_kv_int8": (write_int8, None),
+        "route_topk": (lambda: kernels.route_topk(logits, 4, "sigmoid", None, 4, 2, True, 1.0)[1].float(), None),
+        "moe_experts": (lambda: kernels.moe_experts(x, gate_up, down, weights, ids, 0, F.silu), None),
+    }
+    with torch.inference_mode():
+        for name, (ours, builtin) in ops.items():
+            try:
+                got = ours().float()
+                res[f"{name}/ours_us"] = check.timed(ours) * 1e6
+                registry.set_backend("reference")
+                want = ours().float()
+                res[f"{name}/reference_us"] = check.timed(ours) * 1e6
+                res[f"{name}/max_diff"] = (got - want).abs().max().item()
+                if builtin is not None:
+                    res[f"{name}/torch_us"] = check.timed(builtin) * 1e6
+            except Exception as error:  # noqa: BLE001 - one op failing must not hide the others
+                res[f"{name}/error"] = _short(error)
+            finally:
+                registry.set_backend("auto")
     return res
 
 
@@ -306,7 +382,8 @@ def cli(check: Check) -> dict:
     return res
 
 
-SECTIONS = {"env": env, "kernels": kernels, "parity": parity, "engine": engine, "throughput": throughput, "cli": cli}
+QUICK = ("env", "triton", "engine")
+SECTIONS = {"env": env, "kernels": kernels, "triton": triton_kernels, "parity": parity, "engine": engine, "throughput": throughput, "cli": cli}
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -354,7 +431,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu-check-out"))
     parser.add_argument("--dry-run", action="store_true", help="every section on this CPU, tiny sizes")
-    parser.add_argument("--only", default=",".join(SECTIONS), help="comma-separated sections")
+    parser.add_argument("--quick", action="store_true", help=f"only {','.join(QUICK)}, small sizes (~2 minutes)")
+    parser.add_argument("--only", default=None, help="comma-separated sections (default: all)")
     parser.add_argument("--tokenizer", default=str(ROOT / ".whl" / "tokenizer"))
     parser.add_argument("--section-limit", type=int, default=150, help="seconds per section")
     args = parser.parse_args()
@@ -362,7 +440,7 @@ def main() -> int:
     check = Check(args)
     check.out.mkdir(parents=True, exist_ok=True)
     failed = 0
-    for name in args.only.split(","):
+    for name in (args.only or ",".join(QUICK if args.quick else SECTIONS)).split(","):
         start = time.perf_counter()
         print(f"== {name}", flush=True)
         try:

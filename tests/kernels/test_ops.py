@@ -23,13 +23,15 @@ def _samples():
     qk = torch.randn(1, 3, 6, 32, generator=g)
     angles = torch.rand(1, 3, 16, generator=g)
     int8_cache, int8_scales = torch.zeros(6, 16, 2, 32, dtype=torch.int8), torch.zeros(6, 16, 2)
+    slots = torch.tensor([5, 17, 40])
     return {
         "rms_norm": [(x, w, 1e-6)],
         "add_rms_norm": [(x, torch.randn(5, 32, generator=g), w, 1e-6)],
         "silu_and_mul": [(torch.randn(4, 64, generator=g),)],
-        "norm_rope_": [(qk, angles.cos(), angles.sin(), w, w, 4, 1e-6), (qk, angles.cos(), angles.sin(), None, None, 4, 0.0)],
-        "write_kv_": [(k.clone(), None, torch.randn(3, 2, 32, generator=g), torch.tensor([5, 17, 40]), None, None),
-                      (int8_cache, int8_scales, torch.randn(3, 2, 32, generator=g), torch.tensor([5, 17, 40]), 8, None)],
+        "norm_rope_": [(qk, angles.cos(), angles.sin(), w, w, 4, 1e-6),
+                       (qk, angles.cos(), angles.sin(), None, None, 4, 0.0)],
+        "write_kv_": [(k.clone(), None, torch.randn(3, 2, 32, generator=g), slots, None, None),
+                      (int8_cache, int8_scales, torch.randn(3, 2, 32, generator=g), slots, 8, None)],
         "paged_attention": [
             (torch.randn(2, 4, 32, generator=g), k, v, tables, [0, 1, 2], [20, 9], 0.2, None, None, None, None, None),
             (torch.randn(9, 4, 32, generator=g), k, v, tables, [0, 1, 9], [20, 9], 0.2, 4, None, None, None, None),

@@ -1,7 +1,7 @@
-"""The Triton kernels (kernels/triton) in Triton's interpreter on CPU against the plain-PyTorch references,
-in float64 (quantised caches: the references dequantise in float32), on small shapes over a pairwise grid of
-head sizes, GQA ratios, block sizes, partial blocks, decode / prefill / mixed / single-token / empty batches,
-sliding windows and int8 / int4 KV caches."""
+"""The Triton kernels (kernels/triton) against the plain-PyTorch references, in float64 (quantised caches: the
+references dequantise in float32), on small shapes over a pairwise grid of head sizes, GQA ratios, block
+sizes, partial blocks, decode / prefill / mixed / single-token / empty batches, sliding windows and int8 /
+int4 KV caches. On a GPU they run natively (bench/gpu_check.sh), here in Triton's interpreter."""
 from __future__ import annotations
 
 import importlib
@@ -16,7 +16,7 @@ from unified.kernels.sources import triton_module
 from unified.kernels.rotary import apply_rotary
 
 pytest.importorskip("triton")
-attention = importlib.import_module("unified.kernels.paged_attention")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture
@@ -32,8 +32,8 @@ def backend():
 
 def test_rms_norm_and_its_residual_fusion(backend):
     g = torch.Generator().manual_seed(0)
-    x, residual = torch.randn(5, 48, dtype=torch.float64, generator=g), torch.randn(5, 48, dtype=torch.float64, generator=g)
-    weight = torch.randn(48, dtype=torch.float64, generator=g)
+    x, residual, weight = (torch.randn(*shape, dtype=torch.float64, generator=g).to(DEVICE)
+                           for shape in ((5, 48), (5, 48), (48,)))
     backend("triton")
     with torch.no_grad():
         normed = kernels.rms_norm(x, weight, 1e-6)
@@ -46,7 +46,7 @@ def test_rms_norm_and_its_residual_fusion(backend):
 
 
 def test_silu_and_mul(backend):
-    x = torch.randn(3, 7, 2 * 40, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    x = torch.randn(3, 7, 2 * 40, dtype=torch.float64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     backend("triton")
     with torch.no_grad():
         out = kernels.gated_activation(x, F.silu)
@@ -57,12 +57,11 @@ def test_silu_and_mul(backend):
 def test_norm_rope_on_q_and_k_heads_in_one_pass(backend, norm):
     g = torch.Generator().manual_seed(2)
     q_heads, kv_heads, dim, tokens = 4, 2, 32, 6
-    qkv = torch.randn(1, tokens, q_heads + 2 * kv_heads, dim, dtype=torch.float64, generator=g)
+    qkv = torch.randn(1, tokens, q_heads + 2 * kv_heads, dim, dtype=torch.float64, generator=g).to(DEVICE)
     qk = qkv[:, :, :q_heads + kv_heads]  # heads contiguous, tokens strided as in the model
-    angles = torch.rand(1, tokens, dim // 2, dtype=torch.float64, generator=g) * 6
+    angles = torch.rand(1, tokens, dim // 2, dtype=torch.float64, generator=g).to(DEVICE) * 6
     cos, sin = angles.cos() * 1.1, angles.sin() * 1.1  # YaRN-style attention scaling rides on cos and sin
-    weights = (torch.randn(dim, dtype=torch.float64, generator=g), torch.randn(dim, dtype=torch.float64, generator=g)) \
-        if norm else ()
+    weights = tuple(torch.randn(dim, dtype=torch.float64, generator=g).to(DEVICE) for _ in range(2)) if norm else ()
     expected = qk.clone()
     if norm:
         q, k = expected.split([q_heads, kv_heads], dim=2)
@@ -134,7 +133,8 @@ def _batch(dk, dv, heads, block, bits, batch, seed=0):
     for _, q_len in spans:
         query_start.append(query_start[-1] + q_len)
     q = torch.randn(query_start[-1], q_heads, dk, dtype=torch.float64, generator=g)
-    return q, k_cache, v_cache, k_scale, v_scale, tables, query_start, [ctx for ctx, _ in spans]
+    on_device = [t if t is None else t.to(DEVICE) for t in (q, k_cache, v_cache, k_scale, v_scale, tables)]
+    return *on_device, query_start, [ctx for ctx, _ in spans]
 
 
 def _spy(monkeypatch, module_name: str, function: str) -> list:
@@ -172,17 +172,17 @@ def test_paged_attention_matches_the_reference(backend, monkeypatch, dk, dv, hea
 def test_kv_cache_write_quantises_like_the_reference(backend, monkeypatch, bits, dim, centred):
     g = torch.Generator().manual_seed(3)
     blocks, block, heads, tokens = 6, 16, 2, 19
-    x = torch.randn(tokens, heads, dim, generator=g) * 3
-    slots = torch.randperm(blocks * block, generator=g)[:tokens]
-    centre = torch.randn(heads, dim, generator=g) if centred else None
+    x = (torch.randn(tokens, heads, dim, generator=g) * 3).to(DEVICE)
+    slots = torch.randperm(blocks * block, generator=g)[:tokens].to(DEVICE)
+    centre = torch.randn(heads, dim, generator=g).to(DEVICE) if centred else None
 
     def write():
         dtype = torch.float32 if bits is None else torch.int8 if bits == 8 else torch.uint8
-        cache = torch.zeros(blocks, block, heads, kernels.packed_dim(dim, bits), dtype=dtype)
+        cache = torch.zeros(blocks, block, heads, kernels.packed_dim(dim, bits), dtype=dtype, device=DEVICE)
         scales = None
         if bits is not None:
             tail, scale_dtype = kernels.scale_layout(dim, bits, zero_point=centred)
-            scales = torch.zeros(blocks, block, heads, *tail, dtype=scale_dtype)
+            scales = torch.zeros(blocks, block, heads, *tail, dtype=scale_dtype, device=DEVICE)
         with torch.no_grad():
             kernels.write_kv(cache, scales, x, slots, bits, centre)
         return cache, scales
@@ -214,8 +214,8 @@ def test_kv_cache_write_quantises_like_the_reference(backend, monkeypatch, bits,
 ])
 def test_moe_routing(backend, monkeypatch, scoring, experts, groups, topk_groups, top_k, bias, renormalize):
     g = torch.Generator().manual_seed(4)
-    logits = torch.randn(9, experts, generator=g)
-    score_bias = torch.randn(experts, generator=g) * 0.1 if bias else None
+    logits = torch.randn(9, experts, generator=g).to(DEVICE)
+    score_bias = (torch.randn(experts, generator=g) * 0.1).to(DEVICE) if bias else None
     args = (logits, top_k, scoring, score_bias, groups, topk_groups, renormalize, 2.5)
     backend("triton")
     calls = _spy(monkeypatch, "moe", "route_topk")
@@ -239,6 +239,7 @@ def test_moe_experts_grouped_matmuls(backend, monkeypatch, tokens, experts, firs
     ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]) if tokens \
         else torch.zeros(0, top_k, dtype=torch.long)
     weights = torch.rand(tokens, top_k, dtype=torch.float64, generator=g)
+    x, gate_up, down, ids, weights = (t.to(DEVICE) for t in (x, gate_up, down, ids, weights))
     backend("triton")
     calls = _spy(monkeypatch, "moe", "experts")
     with torch.no_grad():

@@ -17,6 +17,8 @@ from unified.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
 from unified.kernels.rotary import apply_rotary, norm_rope_, norm_rope_applies
 from unified.kernels import ops  # noqa: E402,F401 (registers torch.ops.unified.*)
 
-__all__ = ["AttentionPlan", "PackedWeight", "add_rms_norm", "apply_rotary", "argmax_rows", "argmax_rows_reference", "dequantize_kv", "gated_activation", "gated_activation_reference", "linear", "moe_experts",
-           "norm_rope_", "norm_rope_applies", "pack_weight", "packed_dim", "paged_attention", "plan_paged_attention", "quantize_kv", "rms_norm", "route_topk",
-           "rms_norm_reference", "scale_layout", "set_backend", "takes_inference_path", "training_path", "write_kv"]
+__all__ = ["AttentionPlan", "PackedWeight", "add_rms_norm", "apply_rotary", "argmax_rows", "argmax_rows_reference",
+           "dequantize_kv", "gated_activation", "gated_activation_reference", "linear", "moe_experts", "norm_rope_",
+           "norm_rope_applies", "pack_weight", "packed_dim", "paged_attention", "plan_paged_attention", "quantize_kv",
+           "rms_norm", "rms_norm_reference", "route_topk", "scale_layout", "set_backend", "takes_inference_path",
+           "training_path", "write_kv"]

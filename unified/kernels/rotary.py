@@ -44,7 +44,7 @@ def norm_rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight:
     """Normalises (when given weights: q_weight for the first q_heads heads, k_weight for the others) and
     rotates qk's heads in place; only where norm_rope_applies."""
     half = qk.shape[-1] // 2
-    if qk.device.type != "cpu" or qk.dtype != torch.float32 or not registry.use_cpu(qk):
+    if registry.use_triton(qk):
         triton_module("rope").norm_rope_(qk[0], cos.reshape(-1, half), sin.reshape(-1, half), q_weight, k_weight,
                                          q_heads, eps)
         return
