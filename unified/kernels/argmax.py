@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from unified.kernels import cpu_ops
+from unified.kernels import registry
 
 
 def argmax_rows_reference(logits: torch.Tensor) -> torch.Tensor:
@@ -18,7 +18,7 @@ def argmax_rows_reference(logits: torch.Tensor) -> torch.Tensor:
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [R, V] -> int64 [R]."""
     if not (logits.dim() == 2 and logits.device.type == "cpu" and logits.dtype == torch.float32
-            and logits.is_contiguous() and logits.shape[1] > 0 and cpu_ops.available()
+            and logits.is_contiguous() and logits.shape[1] > 0 and registry.use_cpu(logits)
             and hasattr(torch.ops.unified_cpu, "argmax_rows")):  # AVX-512 builds only
         return argmax_rows_reference(logits)
     tokens = torch.ops.unified_cpu.argmax_rows(logits)

@@ -15,8 +15,8 @@ On CPU, in float32 and with no gradient wanted, `linear` avoids F.linear's MKL s
   eight rows at a time, and more rows to oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the op
   PyTorch's compiler emits for CPU linears), ~10% faster than MKL here on whole engine steps.
 
-Results differ from F.linear by rounding only. Training (autograd) and other dtypes and devices use
-F.linear.
+Results differ from F.linear by rounding only. Training (autograd), `kernels.backend=reference` and other
+dtypes and devices use F.linear.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from unified.kernels import cpu_ops
+from unified.kernels import cpu_ops, registry
 
 _ONEDNN = torch.backends.mkldnn.is_available()
 ONEDNN_PACK_ROWS = 64  # the row count oneDNN tunes its blocked layout for; any row count works with it
@@ -64,7 +64,7 @@ def pack_weight(weight: torch.Tensor, delta: torch.Tensor | None = None,
 def takes_inference_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` takes the inference path above (packed copies, C++ kernels, oneDNN) for x."""
     return (_ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
-            and cpu_ops.inference_path())
+            and cpu_ops.inference_path() and registry.backend() != "reference")
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -112,7 +112,8 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
     rows = None if not prefills else torch.tensor([query_start[s] for s in decodes], device=device)
     tables = tables[:, :width].contiguous()
     cascade = (plan_cascade(tables, lens, block_size) if sliding_window is None and device.type == "cpu"
-               and cpu_ops.available() and hasattr(torch.ops.unified_cpu, "paged_decode_cascade") else None)
+               and registry.backend() in ("auto", "cpu") and cpu_ops.available()
+               and hasattr(torch.ops.unified_cpu, "paged_decode_cascade") else None)
     return AttentionPlan(rows, decodes, tables, lens_t[:, 0], visible[:, None, None, :], sliding_window, prefills,
                          chunks, cascade, *steps)
 
@@ -120,7 +121,8 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
 def _cpu_decode_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                                kv_bits: int | None) -> bool:
     return (q.device.type == "cpu" and kv_bits is None and q.dtype == k_cache.dtype == torch.float32
-            and (v_cache is None or v_cache.dtype == torch.float32) and cpu_ops.available())
+            and (v_cache is None or v_cache.dtype == torch.float32) and registry.backend() in ("auto", "cpu")
+            and cpu_ops.available())
 
 
 def _cpu_prefill_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
@@ -257,7 +259,7 @@ def write_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Ten
     flat = cache.view(-1, *cache.shape[2:])
     if kv_bits is None:
         if (x.dim() == 3 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and cache.is_contiguous()
-                and cpu_ops.applies(cache, x) and slots.dtype == torch.int64):
+                and registry.use_cpu(cache, x) and slots.dtype == torch.int64):
             torch.ops.unified_cpu.write_kv_rows_(cache, x, slots)  # no set-up per call, x read where it lies
         else:
             flat.index_copy_(0, slots, x.to(cache.dtype))
