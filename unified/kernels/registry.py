@@ -62,11 +62,11 @@ def use_cpu(*tensors: torch.Tensor) -> bool:
 def use_triton(*tensors: torch.Tensor) -> bool:
     """The Triton kernel takes these tensors: all on one accelerator, or on CPU under the interpreter when
     the backend is `triton`; inference only."""
-    if _backend not in ("auto", "triton") or not cpu_ops.inference_path() or not triton_installed():
-        return False
     device = tensors[0].device.type
-    if any(t.device.type != device for t in tensors):
+    if device == "cpu":  # first and cheap: CPU decode steps ask this for every op
+        if _backend != "triton" or not interpreting():
+            return False
+    elif device not in ACCELERATORS or _backend not in ("auto", "triton"):
         return False
-    if device == "cpu":
-        return _backend == "triton" and interpreting()
-    return device in ACCELERATORS
+    return (cpu_ops.inference_path() and triton_installed()
+            and all(t.device.type == device for t in tensors[1:]))
