@@ -48,8 +48,9 @@ def test_int8_kv_cache_on_the_triton_backend(tiny_models, backend):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-4)
 
 
-def test_decode_forward_compiles_whole_and_gives_the_eager_logits(tiny_models):
-    loaded = tiny_models("llama")
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe", "deepseek_v3"])
+def test_forward_compiles_whole_and_gives_the_eager_logits(family, tiny_models):
+    loaded = tiny_models(family)
     eager = _logits(loaded)
     forward = loaded.model.forward
     loaded.model.forward = torch.compile(forward, fullgraph=True, backend="aot_eager", dynamic=False)

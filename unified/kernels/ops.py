@@ -13,6 +13,7 @@ from torch.library import custom_op
 
 from unified.kernels.activation import gated_activation
 from unified.kernels.argmax import argmax_rows
+from unified.kernels.moe import experts, route_topk
 from unified.kernels.paged_attention import paged_attention, write_kv
 from unified.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
 from unified.kernels.rotary import apply_rotary, norm_rope_, norm_rope_applies
@@ -105,3 +106,27 @@ def argmax_rows_op(logits: torch.Tensor) -> torch.Tensor:
 @argmax_rows_op.register_fake
 def _(logits):
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+@custom_op("unified::route_topk", mutates_args=())
+def route_topk_op(logits: torch.Tensor, top_k: int, scoring: str, bias: torch.Tensor | None, num_groups: int,
+                  topk_groups: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return route_topk(logits, top_k, scoring, bias, num_groups, topk_groups, renormalize, scaling)
+
+
+@route_topk_op.register_fake
+def _(logits, top_k, scoring, bias, num_groups, topk_groups, renormalize, scaling):
+    rows = logits.shape[0]
+    return logits.new_empty(rows, top_k, dtype=torch.float32), logits.new_empty(rows, top_k, dtype=torch.int64)
+
+
+@custom_op("unified::moe_experts", mutates_args=())
+def moe_experts_op(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                   ids: torch.Tensor, first: int) -> torch.Tensor:
+    """The routed experts with SiLU, the activation of every MoE family we import."""
+    return experts(x, gate_up, down, weights, ids, first, torch.nn.functional.silu)
+
+
+@moe_experts_op.register_fake
+def _(x, gate_up, down, weights, ids, first):
+    return torch.empty_like(x)
