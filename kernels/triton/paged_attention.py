@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from unified.kernels.kv_quant import int4_group
+
 NEG = -1.0e30  # the running maximum's start: finite, so rows with nothing visible yet give exp(.) = 0, not NaN
 
 
@@ -187,17 +189,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     main, tail = (dk, 0) if kv_bits == 4 else split_key_dim(dk)
     v_source = k_cache if v_cache is None else v_cache
     f = tl.float64 if q.dtype == torch.float64 else tl.float32
-    key_zero_point = kv_bits == 4 and k_scale.shape[-1] == 2 * (dk // _int4_group(dk))
+    key_zero_point = kv_bits == 4 and k_scale.shape[-1] == 2 * (dk // int4_group(dk))
     _paged_attention_kernel[(tile_seq.numel(), kv_heads)](
         q, k_cache, v_source, k_scale if k_scale is not None else q, v_scale if v_scale is not None else q, out,
         block_tables, tile_seq, tile_pos, query_start, context_lens, scale, sliding_window or 0, kv_heads,
         block_tables.shape[1], q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.shape[-1],
         v_source.shape[-1],
         G=group, G_PAD=triton.next_power_of_2(group), POS=pos, BLOCK_SIZE=block_size, DK=main, DK_TAIL=tail, DV=dv,
-        BITS=kv_bits or 0, GROUP=_int4_group(dk), KEY_ZERO_POINT=key_zero_point, V_FROM_K=v_cache is None,
+        BITS=kv_bits or 0, GROUP=int4_group(dk), KEY_ZERO_POINT=key_zero_point, V_FROM_K=v_cache is None,
         WINDOWED=sliding_window is not None, F=f)
     return out
 
-
-def _int4_group(dim: int) -> int:
-    return 32 if dim % 32 == 0 else dim

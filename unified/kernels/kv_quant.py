@@ -39,9 +39,10 @@ def _rotate(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     return x @ (h.T if inverse else h)
 
 
-def rotation(dim: int, device, identity: bool = False) -> torch.Tensor | None:
+@functools.cache  # once per device, not a host-to-device copy per layer and step
+def rotation(dim: int, device: torch.device, identity: bool = False) -> torch.Tensor | None:
     """The [dim, dim] rotation quantised rows are stored in (x @ it): the Hadamard matrix, or where dim is not
-    a power of two None (the identity, with `identity`)."""
+    a power of two None (the identity, with `identity`). Shared: callers must not write to it."""
     h = _hadamard(dim)
     if h is None:
         return torch.eye(dim, device=device) if identity else None
