@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from unified.kernels import registry
+from unified.kernels import cpu_ops, registry
 from unified.kernels.sources import triton_module
 
 
@@ -22,7 +22,7 @@ def gated_activation_reference(x: torch.Tensor, act: Callable[[torch.Tensor], to
 
 
 def gated_activation(x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    if act is F.silu and torch.compiler.is_compiling():  # one opaque op in a traced graph (ops.py)
+    if act is F.silu and torch.compiler.is_compiling() and cpu_ops.inference_path():  # one opaque op (ops.py)
         return torch.ops.unified.silu_and_mul(x)
     if act is F.silu and registry.use_cpu(x):
         return torch.ops.unified_cpu.silu_and_mul(x.contiguous())

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from unified.kernels import registry
+from unified.kernels import cpu_ops, registry
 from unified.kernels.activation import gated_activation
 from unified.kernels.sources import triton_module
 
@@ -47,7 +47,7 @@ def route_topk_reference(logits: torch.Tensor, top_k: int, scoring: str, bias: t
 def route_topk(logits: torch.Tensor, top_k: int, scoring: str, bias: torch.Tensor | None, num_groups: int,
                topk_groups: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     args = (top_k, scoring, bias, num_groups, topk_groups, renormalize, scaling)
-    if torch.compiler.is_compiling():  # one opaque op in a traced graph (ops.py)
+    if torch.compiler.is_compiling() and cpu_ops.inference_path():  # one opaque op in a traced graph (ops.py)
         return torch.ops.unified.route_topk(logits, *args)
     if registry.use_triton(logits) and triton_module("moe").routing_applies(logits, scoring, num_groups):
         return triton_module("moe").route_topk(logits, *args)
@@ -82,7 +82,7 @@ def experts_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
 
 def experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             first: int, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    if act is F.silu and torch.compiler.is_compiling():
+    if act is F.silu and torch.compiler.is_compiling() and cpu_ops.inference_path():
         return torch.ops.unified.moe_experts(x, gate_up, down, weights, ids, first)
     if act is F.silu and registry.use_triton(x, gate_up, down, weights, ids) and \
             triton_module("moe").experts_applies(x, gate_up, down):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from unified.kernels import registry
+from unified.kernels import cpu_ops, registry
 from unified.kernels.sources import triton_module
 
 
@@ -22,7 +22,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # one opaque op in a traced graph (ops.py)
+    if torch.compiler.is_compiling() and cpu_ops.inference_path():  # one opaque op in a traced graph (ops.py)
         return torch.ops.unified.rms_norm(x, weight, eps)
     if registry.use_triton(x, weight):
         return triton_module("norm").rms_norm(x, weight, eps)
@@ -36,7 +36,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the pre-norm block's residual add and the next norm."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and cpu_ops.inference_path():
         return torch.ops.unified.add_rms_norm(x, residual, weight, eps)
     if registry.use_triton(x, residual, weight) and residual.is_contiguous() and residual.shape == x.shape:
         summed = residual.clone()

@@ -47,8 +47,9 @@ class DecoderLayer(nn.Module):
                     else GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, dtype))
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), rope, cos, sin)
-        return x + self.mlp(self.post_attn_norm(x))
+        norm = self.post_attn_norm  # fused with the residual add before it (one kernel on accelerators)
+        normed, x = kernels.add_rms_norm(self.attn(self.input_norm(x), rope, cos, sin), x, norm.weight, norm.eps)
+        return x + self.mlp(normed)
 
 
 class PipelineStage:
