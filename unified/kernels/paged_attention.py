@@ -112,7 +112,7 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
     rows = None if not prefills else torch.tensor([query_start[s] for s in decodes], device=device)
     tables = tables[:, :width].contiguous()
     cascade = (plan_cascade(tables, lens, block_size) if sliding_window is None and device.type == "cpu"
-               and registry.backend() in ("auto", "cpu") and cpu_ops.available()
+               and registry.cpu_allowed() and cpu_ops.available()
                and hasattr(torch.ops.unified_cpu, "paged_decode_cascade") else None)
     return AttentionPlan(rows, decodes, tables, lens_t[:, 0], visible[:, None, None, :], sliding_window, prefills,
                          chunks, cascade, *steps)
@@ -121,7 +121,7 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
 def _cpu_decode_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                                kv_bits: int | None) -> bool:
     return (q.device.type == "cpu" and kv_bits is None and q.dtype == k_cache.dtype == torch.float32
-            and (v_cache is None or v_cache.dtype == torch.float32) and registry.backend() in ("auto", "cpu")
+            and (v_cache is None or v_cache.dtype == torch.float32) and registry.cpu_allowed()
             and cpu_ops.available())
 
 

@@ -54,9 +54,14 @@ def _accelerator_present() -> bool:
     return torch.cuda.is_available() or (musa is not None and musa.is_available())
 
 
+def cpu_allowed() -> bool:
+    """The backend lets the C++ kernels run (whether they apply is the caller's or `use_cpu`'s question)."""
+    return _backend in ("auto", "cpu")
+
+
 def use_cpu(*tensors: torch.Tensor) -> bool:
     """The C++ kernel takes these tensors (float32 CPU, inference, built, and the backend allows it)."""
-    return _backend in ("auto", "cpu") and cpu_ops.applies(*tensors)
+    return cpu_allowed() and cpu_ops.applies(*tensors)
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
