@@ -301,6 +301,13 @@ def engine(check: Check) -> dict:
     res["bf16_finished"] = sum(o.finished for o in outs)
     res["bf16_syncs_per_step"] = counts["syncs"] / max(counts["steps"], 1)
     res["bf16_first_sync"] = counts.get("first_sync")
+    graphs = llm.engine.runner.graphs
+    res["decode_graphs"] = sorted(graphs.graphs) if graphs is not None else "off (see the log for why)"
+    with_graphs = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    del llm
+    eager = LLM(str(path), device=check.device, dtype="bfloat16", enforce_eager=True)
+    without = [o.outputs[0].token_ids for o in eager.generate(prompts, greedy)]
+    res["bf16_greedy_same_with_and_without_graphs"] = with_graphs == without
     return res
 
 
@@ -325,10 +332,12 @@ def throughput(check: Check) -> dict:
     check.sync()
     seconds = time.perf_counter() - start
     res["ours_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / seconds
-    start = time.perf_counter()
-    one = llm.generate(prompts[:1], params)
-    res["ours_batch1_decode_ms_per_token"] = (time.perf_counter() - start) / len(one[0].outputs[0].token_ids) * 1e3
+    res["ours_batch1_decode_ms_per_token"] = _ms_per_token(llm, prompts[:1], params)
     del llm
+    eager = LLM(str(path), device=check.device, dtype="bfloat16", enforce_eager=True)
+    eager.generate(prompts[:1], params)
+    res["ours_eager_batch1_decode_ms_per_token"] = _ms_per_token(eager, prompts[:1], params)
+    del eager
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(check.device).eval()
     ids = torch.tensor(prompts, device=check.device)
     mask = torch.ones_like(ids)  # equal lengths: nothing is padded
@@ -339,6 +348,12 @@ def throughput(check: Check) -> dict:
     check.sync()
     res["transformers_tok_s"] = n * new / (time.perf_counter() - start)
     return res
+
+
+def _ms_per_token(llm, prompts, params) -> float:
+    start = time.perf_counter()
+    one = llm.generate(prompts, params)
+    return (time.perf_counter() - start) / len(one[0].outputs[0].token_ids) * 1e3
 
 
 def cli(check: Check) -> dict:

@@ -9,9 +9,13 @@ orthonormal Hadamard matrix (identity where the head size is not a power of two)
 The rotation is computed as two matmuls, into the even and the odd channels, so the nibbles pair up with
 no interleaving.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from unified.kernels.kv_quant import rotation
 
 
 @triton.jit
@@ -102,19 +106,25 @@ def write_rows(cache: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> Non
 
 
 def quantize_rows(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, slots: torch.Tensor, bits: int,
-                  rotation: torch.Tensor, group: int, centre: torch.Tensor | None) -> None:
-    """Quantises x [T, H, D] (D a power of two) into codes/scales at flat slots; `rotation` [D, D] is the
-    Hadamard matrix (or the identity), `centre` [H, D] makes int4 groups asymmetric."""
+                  group: int, centre: torch.Tensor | None) -> None:
+    """Quantises x [T, H, D] (D a power of two) into codes/scales at flat slots, rotated by kv_quant's
+    Hadamard matrix; `centre` [H, D] makes int4 groups asymmetric."""
     rows, heads, dim = _rows(x)
     if not rows:
         return
     compute = tl.float64 if x.dtype == torch.float64 else tl.float32
-    rotation = rotation.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    even, odd = _rotation_columns(dim, x.device, torch.float64 if x.dtype == torch.float64 else torch.float32)
     block_r = 16
     _quantize_rows_kernel[(triton.cdiv(rows, block_r),)](
-        x, slots, centre if centre is not None else x, rotation[:, 0::2].contiguous(), rotation[:, 1::2].contiguous(),
-        codes, scales, rows, heads, x.stride(0), D=dim, BITS=bits, GROUP=group, ZERO_POINT=centre is not None,
-        BLOCK_R=block_r, F=compute)
+        x, slots, centre if centre is not None else x, even, odd, codes, scales, rows, heads, x.stride(0), D=dim,
+        BITS=bits, GROUP=group, ZERO_POINT=centre is not None, BLOCK_R=block_r, F=compute)
+
+
+@functools.cache  # once per device and dtype, not per layer and step
+def _rotation_columns(dim: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation's even and odd columns (the kernel writes int4 nibble pairs from them)."""
+    h = rotation(dim, device, identity=True).to(dtype)
+    return h[:, 0::2].contiguous(), h[:, 1::2].contiguous()
 
 
 def applies(x: torch.Tensor, bits: int | None) -> bool:

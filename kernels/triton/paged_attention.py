@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from unified.kernels.kv_quant import int4_group
+from unified.kernels.staging import to_device
 
 NEG = -1.0e30  # the running maximum's start: finite, so rows with nothing visible yet give exp(.) = 0, not NaN
 
@@ -160,18 +161,26 @@ def applies(q: torch.Tensor, k_cache: torch.Tensor, dv: int, kv_bits: int | None
     return split_key_dim(dk) is not None and _power_of_two(dv) and dv >= 16 and k_cache.shape[1] >= 16
 
 
+def _positions_per_tile(longest: int, group: int) -> int:
+    return max(1, (16 if longest == 1 else 64) // triton.next_power_of_2(group))  # decodes: one tile per sequence
+
+
+def decode_tiles(seqs: int, q_heads: int, kv_heads: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """`tiles` of a step of `seqs` one-token decodes, made on the device (no host data: capturable)."""
+    return (torch.arange(seqs, dtype=torch.int32, device=device), torch.zeros(seqs, dtype=torch.int32, device=device),
+            _positions_per_tile(1, q_heads // kv_heads))
+
+
 def tiles(query_start: list[int], q_heads: int, kv_heads: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(sequence, first position) of every query tile, and positions per tile."""
-    g_pad = triton.next_power_of_2(q_heads // kv_heads)
     longest = max([b - a for a, b in zip(query_start, query_start[1:])], default=1)
-    pos = max(1, (16 if longest == 1 else 64) // g_pad)  # decodes: one tile per sequence
+    pos = _positions_per_tile(longest, q_heads // kv_heads)
     seqs, firsts = [], []
     for s, (a, b) in enumerate(zip(query_start, query_start[1:])):
         for first in range(0, b - a, pos):
             seqs.append(s)
             firsts.append(first)
-    as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-    return as_tensor(seqs), as_tensor(firsts), pos
+    return to_device(seqs, torch.int32, device), to_device(firsts, torch.int32, device), pos
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, k_scale, v_scale,

@@ -7,14 +7,18 @@ import torch
 
 from unified import kernels  # noqa: F401 (registers the ops)
 
-OPS = ["rms_norm", "add_rms_norm", "silu_and_mul", "norm_rope_", "write_kv_", "paged_attention", "argmax_rows",
-       "route_topk", "moe_experts"]
+OPS = ["rms_norm", "add_rms_norm", "silu_and_mul", "norm_rope_", "write_kv_", "paged_attention", "paged_decode",
+       "argmax_rows", "route_topk", "moe_experts"]
 
 
 def _cache(g, blocks=6, block=16, heads=2, dim=32):
     k = torch.randn(blocks, block, heads, dim, generator=g)
     v = torch.randn(blocks, block, heads, dim, generator=g)
     return k, v, torch.tensor([[3, 1], [0, 5]])
+
+
+def _lens(*lengths):
+    return torch.tensor(lengths, dtype=torch.int32)
 
 
 def _samples():
@@ -37,6 +41,10 @@ def _samples():
             (torch.randn(2, 4, 32, generator=g), k, v, tables, [0, 1, 2], [20, 9], 0.2, None, None, None, None, None),
             (torch.randn(9, 4, 32, generator=g), k, v, tables, [0, 1, 9], [20, 9], 0.2, 4, None, None, None, None),
             (torch.randn(2, 4, 32, generator=g), k, None, tables, [0, 1, 2], [20, 9], 0.2, None, None, None, None, 16)],
+        "paged_decode": [
+            (torch.randn(2, 4, 32, generator=g), k, v, tables, _lens(20, 9), 0.2, None, None, None, None, None),
+            (torch.randn(2, 4, 32, generator=g), k, v, tables, _lens(20, 1), 0.2, 4, None, None, None, None),
+            (torch.randn(2, 4, 32, generator=g), k, None, tables, _lens(3, 9), 0.2, None, None, None, None, 16)],
         "argmax_rows": [(torch.randn(3, 50, generator=g),)],
         "route_topk": [(torch.randn(5, 8, generator=g), 2, "softmax", None, 1, 1, True, 1.0),
                        (torch.randn(5, 16, generator=g), 4, "sigmoid", torch.rand(16, generator=g), 4, 2, True, 2.5)],

@@ -167,6 +167,31 @@ def test_paged_attention_matches_the_reference(backend, monkeypatch, dk, dv, hea
     torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dk, dv, heads, block, bits, window, batch",
+                         [case for case in CASES if case[-1] in ("decode", "single")])
+def test_decode_with_device_metadata_matches_the_ragged_step(backend, monkeypatch, dk, dv, heads, block, bits, window,
+                                                             batch):
+    """paged_decode (what decode graphs replay: tables and lengths on the device only, table rows padded)
+    against paged_attention's reference, on the Triton kernel and on the reference path."""
+    q, k_cache, v_cache, k_scale, v_scale, tables, query_start, context_lens = _batch(dk, dv, heads, block, bits, batch)
+    v_head_dim = dv or 512
+    options = dict(sliding_window=window, k_scale=k_scale, v_scale=v_scale, kv_bits=bits, v_head_dim=v_head_dim)
+    padded = torch.cat((tables, torch.zeros_like(tables)), dim=1)  # graphs' tables are as wide as the longest context
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=DEVICE)
+    backend("reference")
+    with torch.no_grad():
+        expected = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, context_lens, dk ** -0.5,
+                                           **options)
+        reference = kernels.paged_decode(q, k_cache, v_cache, padded, lens, dk ** -0.5, **options)
+        backend("triton")
+        calls = _spy(monkeypatch, "paged_attention", "paged_attention")
+        out = kernels.paged_decode(q, k_cache, v_cache, padded, lens, dk ** -0.5, **options)
+    assert calls
+    tolerance = 1e-10 if bits is None else 1e-5
+    torch.testing.assert_close(reference, expected, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(out, expected, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize("bits, dim, centred", [(None, 64, False), (8, 64, False), (8, 128, False), (4, 64, True),
                                                 (4, 128, False), (8, 48, False)])
 def test_kv_cache_write_quantises_like_the_reference(backend, monkeypatch, bits, dim, centred):

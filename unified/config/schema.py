@@ -52,6 +52,9 @@ class EngineConfig:
     # Encode the images of requests about to run while the current step's forward is in flight (on a side
     # stream, overlapping the language model); None: on accelerators, off on CPU, where nothing overlaps.
     image_prefetch: Optional[bool] = None
+    # Run every step eagerly: no decode graphs (on accelerators, pure-decode steps otherwise replay CUDA/MUSA
+    # graphs captured per padded batch size; see unified/engine/decode_graphs.py)
+    enforce_eager: bool = False
 
 
 @dataclass

@@ -78,8 +78,14 @@ class KVCache:
         self.bits = kv_bits_of(kv_cache_dtype)
         self.shape = CacheShape.of(config, tp_size)
         self.num_blocks, self.block_size = num_blocks, block_size
-        self._layout = (config.num_layers, layers, (num_blocks, block_size), dtype, device)
-        self.key_centres: list[torch.Tensor | None] = [None] * config.num_layers  # [heads, dim] fp32, int4 only
+        # One block more than the block manager hands out: decode graphs' padding rows write and read it
+        self.scratch_block = num_blocks
+        self._layout = (config.num_layers, layers, (num_blocks + 1, block_size), dtype, device)
+        # int4 GQA keys: each layer's centre [heads, dim] fp32, written in place (captured decode graphs read
+        # it where it lies), and whether the layer has set it yet
+        self.key_centres: list[torch.Tensor | None] = [None] * config.num_layers
+        self.key_centred = [False] * config.num_layers
+        self.generation = 0  # counts allocations: whatever holds the cache tensors' addresses checks it
         self.bytes_per_token = self.shape.bytes_per_token(len(layers), dtype, self.bits)
         self.allocate()
 
@@ -92,13 +98,18 @@ class KVCache:
                        if i in layers else None for i in range(num_layers)]
         self.scales = [[self._scales(shape[:3], e, device) for e in range(self.shape.entries)] if i in layers else None
                        for i in range(num_layers)]
+        centred = self.shape.zero_point(0, self.bits)
+        self.key_centres = [torch.zeros(self.shape.heads, self.shape.dim, device=device) if centred and i in layers
+                            else None for i in range(num_layers)]
         self.reset_key_centres()
+        self.generation += 1
         if device.type == "cpu":  # the pages are committed meanwhile, not by the first steps' writes
             prefault_in_background([t for layer in self.values + self.scales if layer for t in layer if t is not None])
 
     def release(self) -> None:
         """Frees the cache tensors (for a training phase, say) until `allocate` makes them again."""
         self.values = self.scales = None
+        self.key_centres = [None] * len(self.key_centres)
 
     @property
     def allocated(self) -> bool:
@@ -112,7 +123,7 @@ class KVCache:
 
     def reset_key_centres(self) -> None:
         """Lets the next keys written set each layer's int4 centre; only while no cached keys are in use."""
-        self.key_centres = [None] * len(self.key_centres)
+        self.key_centred = [False] * len(self.key_centred)
 
     @property
     def total_bytes(self) -> int:
@@ -127,6 +138,9 @@ class StepMetadata:
     block_tables: torch.Tensor  # [S, max_blocks]
     query_start: list[int]  # [S + 1]
     context_lens: list[int]  # [S]
+    # Steps of one-token decodes whose metadata lives on the device alone (replayed decode graphs, see
+    # decode_graphs.py): [S] int32 context lengths, which attention reads instead of the lists
+    decode_lens: torch.Tensor | None = None
 
 
 class PagedAttentionContext:
@@ -148,16 +162,23 @@ class PagedAttentionContext:
         values, scales = self.cache.values[layer], self.cache.scales[layer]
         v_cache = values[1] if len(values) == 2 else None
         v_scale = scales[1] if len(scales) == 2 else None
+        if self.meta.decode_lens is not None:
+            return kernels.paged_decode(q, values[0], v_cache, self.meta.block_tables, self.meta.decode_lens, scale,
+                                        sliding_window=sliding_window, k_scale=scales[0], v_scale=v_scale,
+                                        kv_bits=self.cache.bits, v_head_dim=v_dim)
         return kernels.paged_attention(q, values[0], v_cache, self.meta.block_tables, self.meta.query_start,
                                        self.meta.context_lens, scale, sliding_window=sliding_window,
                                        k_scale=scales[0], v_scale=v_scale, kv_bits=self.cache.bits, v_head_dim=v_dim,
                                        plan=None if torch.compiler.is_compiling() else self._plan(sliding_window))
 
     def attend(self, layer, q, k, v, scale, sliding_window):
-        values, scales, centres = self.cache.values[layer], self.cache.scales[layer], self.cache.key_centres
-        if self.cache.bits == 4 and centres[layer] is None:
-            centres[layer] = k[0].float().mean(0)
-        kernels.write_kv(values[0], scales[0], k[0], self.meta.slots, self.cache.bits, centres[layer])
+        values, scales, cache = self.cache.values[layer], self.cache.scales[layer], self.cache
+        centre = cache.key_centres[layer]
+        # A decode never sets the centre: its sequence's prefill did, and a captured decode graph must not
+        if centre is not None and not cache.key_centred[layer] and self.meta.decode_lens is None:
+            centre.copy_(k[0].float().mean(0))
+            cache.key_centred[layer] = True
+        kernels.write_kv(values[0], scales[0], k[0], self.meta.slots, self.cache.bits, centre)
         kernels.write_kv(values[1], scales[1], v[0], self.meta.slots, self.cache.bits)
         return self._paged(layer, q[0], scale, sliding_window, None).unsqueeze(0)
 

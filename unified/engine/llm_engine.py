@@ -19,6 +19,7 @@ import torch
 from megatron.core import parallel_state
 
 from unified.engine.block_manager import BlockManager
+from unified.engine.decode_graphs import DecodeGraphs, unsupported_reason
 from unified.engine.kv_cache import CacheShape, KVCache, kv_bits_of
 from unified.engine.model_runner import ImagesFailed, ModelRunner
 from unified.engine.multimodal import MultimodalPrompt, multimodal_prompt
@@ -118,10 +119,22 @@ class LLMEngine:
         self.weights_version = 0  # how many times update_weights replaced the weights
         self._pack_pending = False  # the weights changed: pack them again before the next step
         self.link = TrainerLink(self)  # an external RL trainer's weight updates and sleep mode
+        if not engine_cfg.enforce_eager and device.type != "cpu":
+            self._capture_decode_graphs(accelerator)
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d bytes/token)", num_blocks,
                  engine_cfg.block_size, num_blocks * engine_cfg.block_size, cache.total_bytes / 2 ** 20,
                  engine_cfg.kv_cache_dtype, cache.bytes_per_token)
+
+    def _capture_decode_graphs(self, accelerator) -> None:
+        cache = self.runner.cache
+        reason = unsupported_reason(self.model, cache, self.device, accelerator, self.runner.distributed)
+        if reason:
+            log.info("decode steps run eagerly: %s", reason)
+            return
+        self.runner.graphs = DecodeGraphs(self.model, cache, self.cfg.max_num_seqs, self.max_model_len, self.device,
+                                          accelerator)
+        self.runner.graphs.capture_all()
 
     def _cache_blocks(self, accelerator) -> int:
         cfg = self.cfg
@@ -344,6 +357,8 @@ class LLMEngine:
         if not cache.allocated:
             return 0
         self.blocks.reset_prefix_cache()
+        if self.runner.graphs is not None:  # their memory too; captured again when next needed
+            self.runner.graphs.clear()
         cache.release()
         return cache.total_bytes
 

@@ -21,9 +21,11 @@ import logging
 
 import torch
 
+from unified.engine.decode_graphs import DecodeGraphs
 from unified.engine.kv_cache import KVCache, PagedAttentionContext, StepMetadata
 from unified.engine.multimodal import EncoderCache
 from unified.engine.scheduler import ScheduledSeq
+from unified.kernels.staging import to_device
 from unified.model.forward_context import forward_context
 
 log = logging.getLogger(__name__)
@@ -46,6 +48,7 @@ class ModelRunner:
         self.driver = torch.distributed.get_global_rank(group, 0) if group is not None else 0
         self.device = device
         self.cache: KVCache | None = None
+        self.graphs: DecodeGraphs | None = None  # replays pure-decode steps on accelerators (decode_graphs.py)
         self.prompt_rows: list[tuple] = []  # the last prepared step's prompt-logprob rows (see prepare)
         self.encoder_cache = EncoderCache(encoder_cache_bytes)
         self.mrope = getattr(model.config, "mrope_section", None) is not None
@@ -93,15 +96,14 @@ class ModelRunner:
                 prompt_rows.append((seq, start, last - start))
                 prompt_row_indexes += range(query_start[-2], query_start[-2] + last - start)
         width = max(len(item.seq.block_table) for item in batch)
-        tables = torch.tensor([item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch],
-                              dtype=torch.long)
-        meta = StepMetadata(torch.tensor(slots, dtype=torch.long, device=self.device), tables.to(self.device),
-                            query_start, context_lens)
-        ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
+        tables = to_device([item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch],
+                           torch.long, self.device)
+        meta = StepMetadata(to_device(slots, torch.long, self.device), tables, query_start, context_lens)
+        ids = to_device([tokens], torch.long, self.device)
         if self.mrope:
             pos = torch.cat(positions, dim=1).unsqueeze(1).to(self.device)  # [3, 1, T]
         else:
-            pos = torch.tensor([positions], dtype=torch.long, device=self.device)
+            pos = to_device([positions], torch.long, self.device)
         images = None
         if image_rows:
             mask = torch.zeros_like(ids, dtype=torch.bool)
@@ -184,6 +186,9 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Runs the step; returns float32 logits [num sampling sequences, V] in batch order, then the rows
         of `prompt_rows` (prompt logprobs)."""
+        if self.graphs is not None and self.graphs.takes(batch):
+            self.prompt_rows = []
+            return self.graphs.run(batch)
         plan = self.prepare(batch)
         if self.distributed:
             torch.distributed.broadcast_object_list([plan], src=self.driver, group=self.group)
@@ -218,5 +223,5 @@ class ModelRunner:
             hidden = self.model(ids, positions, **images)  # [1, T, H]
         if not sample_rows:
             return hidden.new_empty(0, 0)
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        rows = to_device(sample_rows, torch.long, self.device)
         return self.model.logits(hidden[0].index_select(0, rows)).float()

@@ -19,6 +19,7 @@ import torch
 
 from unified import kernels
 from unified.engine.sequence import Sequence
+from unified.kernels.staging import to_device
 
 PENALTY_RANGE = (1e-4, 1e4)  # repetition penalties past these act alike, and keep float32 logits finite
 MAX_TEMPERATURE = 1e30  # as uniform as any hotter one, which float32 could make inf (and -inf / inf is nan)
@@ -139,9 +140,9 @@ def _choose_plain(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int 
         tokens = kernels.argmax_rows(logits).tolist()
     if sampled:
         every = len(sampled) == len(seqs)  # then `logits` is sample()'s own and may be overwritten
-        index = None if every else torch.tensor(sampled, device=logits.device)
-        temperature = torch.tensor([[min(seqs[i].params.temperature, MAX_TEMPERATURE)] for i in sampled],
-                                   dtype=logits.dtype, device=logits.device)
+        index = None if every else to_device(sampled, torch.int64, logits.device)
+        temperature = to_device([[min(seqs[i].params.temperature, MAX_TEMPERATURE)] for i in sampled], logits.dtype,
+                                logits.device)
         scaled = (logits.sub_(best.unsqueeze(1)) if every else logits[index] - best[index].unsqueeze(1)).div_(temperature)
         keep = any(seqs[i].params.logprobs is not None and seqs[i].params.logprobs_mode == "processed" for i in sampled)
         for i, token, row in zip(sampled, _draw(scaled, [seqs[i] for i in sampled], in_place=not keep).tolist(),
@@ -185,7 +186,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int | Excep
         plain = [i for i, s in enumerate(seqs) if _plain(s.params)]
         batched, processed_rows = [None] * len(seqs), None
         if plain:
-            rows = logits if len(plain) == len(seqs) else logits[torch.tensor(plain, device=logits.device)]
+            rows = logits if len(plain) == len(seqs) else logits[to_device(plain, torch.int64, logits.device)]
             try:
                 chosen, processed = _choose_plain(rows, [seqs[i] for i in plain])
             except Exception:  # noqa: BLE001 - the rows go one by one below, where a failure is a row's own

@@ -14,7 +14,7 @@ from torch.library import custom_op
 from unified.kernels.activation import gated_activation
 from unified.kernels.argmax import argmax_rows
 from unified.kernels.moe import experts, route_topk
-from unified.kernels.paged_attention import paged_attention, write_kv
+from unified.kernels.paged_attention import value_dim, paged_attention, paged_decode, write_kv
 from unified.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
 from unified.kernels.rotary import apply_rotary, norm_rope_, norm_rope_applies
 
@@ -94,8 +94,20 @@ def paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
 @paged_attention_op.register_fake
 def _(q, k_cache, v_cache, block_tables, query_start, context_lens, scale, sliding_window, k_scale, v_scale,
       kv_bits, v_head_dim):
-    dv = v_head_dim or (v_cache.shape[-1] * (2 if kv_bits == 4 else 1) if v_cache is not None else q.shape[-1])
-    return q.new_empty(q.shape[0], q.shape[1], dv)
+    return q.new_empty(q.shape[0], q.shape[1], value_dim(q, v_cache, kv_bits, v_head_dim))
+
+
+@custom_op("unified::paged_decode", mutates_args=())
+def paged_decode_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, block_tables: torch.Tensor,
+                    context_lens: torch.Tensor, scale: float, sliding_window: int | None, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None, kv_bits: int | None, v_head_dim: int | None) -> torch.Tensor:
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window=sliding_window,
+                        k_scale=k_scale, v_scale=v_scale, kv_bits=kv_bits, v_head_dim=v_head_dim)
+
+
+@paged_decode_op.register_fake
+def _(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window, k_scale, v_scale, kv_bits, v_head_dim):
+    return q.new_empty(q.shape[0], q.shape[1], value_dim(q, v_cache, kv_bits, v_head_dim))
 
 
 @custom_op("unified::argmax_rows", mutates_args=())

@@ -32,6 +32,7 @@ from unified.kernels import cpu_ops, registry
 from unified.kernels.cascade import CascadePlan, cascade_decode, plan_cascade
 from unified.kernels.kv_quant import dequantize_kv, int4_group, quantize_kv, rotation
 from unified.kernels.sources import triton_module
+from unified.kernels.staging import to_device
 
 
 def _select(cache: torch.Tensor, scale: torch.Tensor | None, index: torch.Tensor, bits: int | None,
@@ -94,7 +95,7 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
     decodes = [s for s, start, end in spans if end - start == 1]
     prefills = [(s, start, end, _prefill_mask(end - start, context_lens[s], sliding_window, device))
                 for s, start, end in spans if end - start > 1]
-    chunks = tuple(torch.tensor(column, dtype=torch.int64, device=device) for column in
+    chunks = tuple(to_device(column, torch.int64, device) for column in
                    zip(*[(s, start, end - start, context_lens[s]) for s, start, end, _ in prefills])) if prefills else ()
     steps = (tuple(query_start), tuple(context_lens))
     if not decodes:
@@ -103,13 +104,13 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
                              chunks, None, *steps)
     lens = [context_lens[s] for s in decodes]
     width = -(-max(lens) // block_size)
-    tables = block_tables if len(decodes) == len(spans) else block_tables[torch.tensor(decodes, device=device)]
+    tables = block_tables if len(decodes) == len(spans) else block_tables[to_device(decodes, torch.int64, device)]
     k_pos = torch.arange(max(lens), device=device)[None, :]
-    lens_t = torch.tensor(lens, device=device)[:, None]
+    lens_t = to_device(lens, torch.int64, device)[:, None]
     visible = k_pos < lens_t  # [D, L]
     if sliding_window is not None:
         visible &= k_pos >= lens_t - sliding_window
-    rows = None if not prefills else torch.tensor([query_start[s] for s in decodes], device=device)
+    rows = None if not prefills else to_device([query_start[s] for s in decodes], torch.int64, device)
     tables = tables[:, :width].contiguous()
     cascade = (plan_cascade(tables, lens, block_size) if sliding_window is None and device.type == "cpu"
                and registry.cpu_allowed() and cpu_ops.available()
@@ -157,6 +158,10 @@ def _decode_batch(q: torch.Tensor, k_cache, v_cache, k_scale, v_scale, plan: Att
     return out.reshape(seqs, q_heads, dv)
 
 
+def value_dim(q: torch.Tensor, v_cache: torch.Tensor | None, kv_bits: int | None, v_head_dim: int | None) -> int:
+    return v_head_dim or (v_cache.shape[-1] * (2 if kv_bits == 4 else 1) if v_cache is not None else q.shape[-1])
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, block_tables: torch.Tensor,
                     query_start: list[int], context_lens: list[int], scale: float, *,
                     sliding_window: int | None = None, k_scale: torch.Tensor | None = None,
@@ -165,7 +170,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, Hq, Dk] -> [T, Hq, Dv]. `plan`: from plan_paged_attention with the same tables and window
     (callers running many layers build it once); None builds it here."""
     block_size = k_cache.shape[1]
-    dv = v_head_dim or (v_cache.shape[-1] * (2 if kv_bits == 4 else 1) if v_cache is not None else q.shape[-1])
+    dv = value_dim(q, v_cache, kv_bits, v_head_dim)
     if torch.compiler.is_compiling():  # one opaque op in a traced graph (ops.py)
         return torch.ops.unified.paged_attention(q, k_cache, v_cache, block_tables, list(query_start),
                                                  list(context_lens), scale, sliding_window, k_scale, v_scale, kv_bits,
@@ -199,20 +204,57 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def _triton_attention(q: torch.Tensor, k_cache, v_cache, k_scale, v_scale, block_tables: torch.Tensor,
                       plan: AttentionPlan, scale: float, kv_bits: int | None, dv: int) -> torch.Tensor:
-    """The Triton kernel over every row of the step. Quantised rows are stored rotated: q goes into that basis
-    and the output comes back from it."""
+    """The Triton kernel over every row of the step."""
     module = triton_module("paged_attention")
     meta = plan.device_tensors
     if "tiles" not in meta:  # once per step, not per layer
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int32, device=q.device)  # noqa: E731
         meta["tiles"] = module.tiles(list(plan.query_start), q.shape[1], k_cache.shape[2], q.device)
-        meta["query_start"], meta["context_lens"] = as_tensor(plan.query_start), as_tensor(plan.context_lens)
+        meta["query_start"] = to_device(plan.query_start, torch.int32, q.device)
+        meta["context_lens"] = to_device(plan.context_lens, torch.int32, q.device)
+    return _triton_call(q, k_cache, v_cache, k_scale, v_scale, block_tables, meta["query_start"], meta["context_lens"],
+                        meta["tiles"], scale, plan.sliding_window, kv_bits, dv)
+
+
+def _triton_call(q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start, context_lens, tiles, scale,
+                 sliding_window, kv_bits, dv) -> torch.Tensor:
+    """Quantised rows are stored rotated: q goes into that basis and the output comes back from it."""
     turn = rotation(q.shape[-1], q.device) if kv_bits else None
     if turn is not None:
         q = q @ turn.to(q.dtype)
-    out = module.paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables, meta["query_start"],
-                                 meta["context_lens"], meta["tiles"], scale, plan.sliding_window, kv_bits, dv)
+    out = triton_module("paged_attention").paged_attention(q, k_cache, v_cache, k_scale, v_scale, block_tables,
+                                                           query_start, context_lens, tiles, scale, sliding_window,
+                                                           kv_bits, dv)
     return out if turn is None else out @ rotation(dv, q.device).to(out.dtype).T
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, *, sliding_window: int | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, kv_bits: int | None = None,
+                 v_head_dim: int | None = None) -> torch.Tensor:
+    """One query per sequence with its metadata on the device alone: q [S, Hq, Dk], block_tables [S, W],
+    context_lens [S] int32 -> [S, Hq, Dv]. Shapes depend on S and W only and nothing is read back to the host,
+    so a captured decode graph replays it with new tables and lengths. Every row must see at least one
+    position (padding rows point at a scratch slot)."""
+    dv = value_dim(q, v_cache, kv_bits, v_head_dim)
+    if torch.compiler.is_compiling():
+        return torch.ops.unified.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, sliding_window,
+                                              k_scale, v_scale, kv_bits, v_head_dim)
+    if q.shape[0] == 0:
+        return q.new_empty(0, q.shape[1], dv)
+    if registry.use_triton(q, k_cache) and triton_module("paged_attention").applies(q, k_cache, dv, kv_bits):
+        seqs = q.shape[0]
+        query_start = torch.arange(seqs + 1, dtype=torch.int32, device=q.device)
+        tiles = triton_module("paged_attention").decode_tiles(seqs, q.shape[1], k_cache.shape[2], q.device)
+        return _triton_call(q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start,
+                            context_lens.to(torch.int32), tiles, scale, sliding_window, kv_bits, dv)
+    lens = context_lens.to(torch.int64)
+    k_pos = torch.arange(block_tables.shape[1] * k_cache.shape[1], device=q.device)[None, :]
+    visible = k_pos < lens[:, None]
+    if sliding_window is not None:
+        visible &= k_pos >= lens[:, None] - sliding_window
+    plan = AttentionPlan(None, list(range(q.shape[0])), block_tables, lens, visible[:, None, None, :], sliding_window,
+                         [], ())
+    return _decode_batch(q, k_cache, v_cache, k_scale, v_scale, plan, scale, kv_bits, dv)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -253,8 +295,7 @@ def write_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Ten
         if kv_bits is None:
             kernels.write_rows(cache, x, slots)
         else:
-            kernels.quantize_rows(cache, scale_cache, x, slots, kv_bits, rotation(x.shape[-1], x.device, identity=True),
-                                  int4_group(x.shape[-1]), centre)
+            kernels.quantize_rows(cache, scale_cache, x, slots, kv_bits, int4_group(x.shape[-1]), centre)
         return
     flat = cache.view(-1, *cache.shape[2:])
     if kv_bits is None:
