@@ -185,6 +185,24 @@ def test_non_finite_logits_are_never_drawn():
                 assert all(_finite_or_minus_inf(v) for v in values), (options, mode)
 
 
+def test_one_copy_to_the_host_chooses_as_the_cpu_path_does():
+    """The accelerators' path (everything the host needs in one copy) gives the CPU path's tokens and rows."""
+    from unified.engine.sampler import _choose_plain
+
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(0))
+    logits[3, 7] = float("nan")
+    for temperatures in ([0.0, 0.7, 1.0, 0.0, 1.3], [0.9] * 5, [0.0] * 5):
+        def seqs():
+            return [Sequence(str(i), 0, [4, 5], SamplingParams(temperature=t), seed=i)
+                    for i, t in enumerate(temperatures)]
+        want, want_rows = _choose_plain(logits.clone(), seqs(), one_copy=False)
+        got, got_rows = _choose_plain(logits.clone(), seqs(), one_copy=True)
+        assert got == want and got[3] is None
+        for i in range(5):
+            if got[i] is not None:
+                torch.testing.assert_close(got_rows[i], want_rows[i])
+
+
 def test_non_finite_temperature_is_refused():
     with pytest.raises(InvalidRequest, match="temperature"):
         SamplingParams(temperature=float("inf")).validate()

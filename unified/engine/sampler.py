@@ -127,27 +127,39 @@ def _plain(p) -> bool:
             and p.top_p == 1.0 and not p.min_p)
 
 
-def _choose_plain(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int | None], list[torch.Tensor]]:
+def _choose_plain(logits: torch.Tensor, seqs: list[Sequence],
+                  one_copy: bool | None = None) -> tuple[list[int | None], list[torch.Tensor]]:
     """Rows with `_plain` params, all at once: greedy ones take the maximum, the others are drawn at their
     temperature. Returns their tokens (None for a row whose logits are not all finite, which `_choose` takes
-    one by one) and the logits each row was chosen from (raw for greedy rows, at the temperature otherwise)."""
+    one by one) and the logits each row was chosen from (raw for greedy rows, at the temperature otherwise).
+    On an accelerator all the host needs comes back in one copy (the step's one sync): rows that turn out not
+    to be finite were drawn too (the draw never raises) and are discarded; on CPU they are left out first, so
+    the rows may be scaled in place."""
     best = logits.amax(-1)  # values only: several times faster than max(-1)
-    finite = torch.isfinite(best).tolist()
-    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy and finite[i]]
-    tokens: list[int | None] = [None] * len(seqs)
+    one_copy = logits.device.type != "cpu" if one_copy is None else one_copy
+    finite = None if one_copy else torch.isfinite(best).tolist()
+    sampled = [i for i, s in enumerate(seqs) if not s.params.greedy and (one_copy or finite[i])]
     processed = list(logits)
+    to_host = [torch.isfinite(best)] if one_copy else []
     if len(sampled) < len(seqs):
-        tokens = kernels.argmax_rows(logits).tolist()
+        to_host.append(kernels.argmax_rows(logits))
     if sampled:
-        every = len(sampled) == len(seqs)  # then `logits` is sample()'s own and may be overwritten
-        index = None if every else to_device(sampled, torch.int64, logits.device)
+        # in place only where `logits` is sample()'s own and every row is known to be finite
+        every = len(sampled) == len(seqs) and not one_copy
+        rows = logits if len(sampled) == len(seqs) else logits[to_device(sampled, torch.int64, logits.device)]
+        shift = best if len(sampled) == len(seqs) else best[to_device(sampled, torch.int64, logits.device)]
         temperature = to_device([[min(seqs[i].params.temperature, MAX_TEMPERATURE)] for i in sampled], logits.dtype,
                                 logits.device)
-        scaled = (logits.sub_(best.unsqueeze(1)) if every else logits[index] - best[index].unsqueeze(1)).div_(temperature)
+        scaled = (rows.sub_(shift.unsqueeze(1)) if every else rows - shift.unsqueeze(1)).div_(temperature)
         keep = any(seqs[i].params.logprobs is not None and seqs[i].params.logprobs_mode == "processed" for i in sampled)
-        for i, token, row in zip(sampled, _draw(scaled, [seqs[i] for i in sampled], in_place=not keep).tolist(),
-                                 scaled):
-            tokens[i], processed[i] = token, row
+        to_host.append(_draw(scaled, [seqs[i] for i in sampled], in_place=not keep))
+    host = torch.cat([t.to(torch.int64) for t in to_host]).tolist()
+    count = len(seqs)
+    if one_copy:
+        finite, host = host[:count], host[count:]
+    tokens: list[int | None] = host[:count] if len(host) > len(sampled) else [None] * count
+    for i, token, row in zip(sampled, host[len(host) - len(sampled):], scaled if sampled else ()):
+        tokens[i], processed[i] = token, row
     return [t if finite[i] else None for i, t in enumerate(tokens)], processed
 
 
