@@ -56,6 +56,8 @@ class _Stream:
     seqs: list = field(default_factory=list)
 
 
+ASLEEP = "the server went to sleep (POST /sleep) before this request finished; retry after it wakes up"
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_step=None):
         """`on_step(stats, new_tokens, step_seconds, collective_seconds)` is called on the engine thread after
@@ -165,6 +167,10 @@ class EngineLoop:
                 self.engine.abort(payload)
 
     def _add(self, stream: _Stream) -> None:
+        if not self.engine.runner.cache.allocated:  # the rest of a request that was being queued as sleep came
+            for update in (True, RuntimeError(ASLEEP)):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, update)
+            return
         try:
             self.engine.add_request(stream.prompt, stream.params, stream.request_id, stream.images)
         except InvalidRequest as err:

@@ -28,6 +28,7 @@ from pydantic import ConfigDict, Field
 from unified.engine.sleep_mode import EngineBusy
 from unified.engine.weight_sync import JoinUpdateGroup, ReceiveWeights, WeightSyncError
 from unified.errors import UserError
+from unified.serve.async_engine import ASLEEP
 from unified.serve.errors import APIError
 from unified.serve.online_api import load_checkpoint
 from unified.serve.protocol import _Request
@@ -164,7 +165,7 @@ async def sleep(request: Request, level: int = 1):
         await asyncio.sleep(0.05)
     if loop.num_in_flight:
         log.warning("going to sleep: ending %d requests still in flight", loop.num_in_flight)
-        loop.cancel_all("the server went to sleep (POST /sleep) before this request finished; retry after it wakes up")
+        loop.cancel_all(ASLEEP)
     try:
         freed = await loop.between_steps(lambda: loop.engine.link.sleep(level))
     except EngineBusy as err:  # a request slipped in before the flag was seen: stay awake

@@ -1,0 +1,33 @@
+"""The server's engine thread (unified/serve/async_engine.py) in process, without HTTP."""
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from unified.checkpoint import load_model
+from unified.config.schema import EngineConfig
+from unified.engine.llm_engine import LLMEngine
+from unified.engine.sampling_params import SamplingParams
+from unified.serve.async_engine import ASLEEP, EngineLoop
+
+
+def test_a_request_queued_as_the_engine_goes_to_sleep_ends_with_the_sleep_error(runtime, tiny_checkpoint):
+    """A multi-prompt request still queueing its prompts when POST /sleep frees the KV cache: the prompts queued
+    after it end with the sleep's own error, and the engine never steps without its cache."""
+    engine = LLMEngine(load_model(tiny_checkpoint("llama")).model, None, EngineConfig(num_blocks=32, block_size=4),
+                       torch.device("cpu"), torch.float32, accelerator=None)
+    loop = EngineLoop(engine)
+    loop.start()
+
+    async def scenario():
+        await loop.between_steps(lambda: engine.link.sleep(1))
+        updates = await loop.submit("late", [1, 2, 3], SamplingParams(max_tokens=4))
+        return await asyncio.wait_for(updates.get(), 30)
+
+    try:
+        error = asyncio.run(scenario())
+    finally:
+        loop.stop(timeout=10)
+    assert isinstance(error, RuntimeError) and str(error) == ASLEEP
+    assert not engine.requests
