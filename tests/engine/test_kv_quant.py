@@ -65,10 +65,11 @@ def test_int8_cache_tracks_the_full_precision_cache(decode_logits):
 
 def test_int4_cache_tracks_the_full_precision_cache(decode_logits):
     # int4 rounding amplifies last-bit differences of the K/V it quantises: the C++ kernels of an AVX-512
-    # host and the PyTorch paths (full-precision logits equal to 1e-4) give int4 cosines about 0.01 apart.
-    # A broken int4 cache falls far below either, and would change the model's greedy choices.
+    # host and the PyTorch paths (full-precision logits equal to 1e-4) give int4 cosines about 0.01 apart,
+    # and so do torch releases or weights scaled by 1 +- 1e-6 (from 0.97 to 0.995). A broken int4 cache falls
+    # far below any of them, and would change the model's greedy choices.
     int4, full = decode_logits("int4"), decode_logits("auto")
-    assert _cosine(int4, full) >= 0.98
+    assert _cosine(int4, full) >= 0.95
     assert (int4.argmax(-1) == full.argmax(-1)).float().mean() >= 0.95
 
 
