@@ -105,18 +105,3 @@ def test_the_training_path_ignores_packed_copies_and_kernels_with_autograd_off()
             plain = kernels.linear(x, weight, None, claims_current)
     assert torch.equal(plain, F.linear(x, weight))
     assert not torch.allclose(fast, plain)  # outside, the inference path trusts the copy
-
-
-def test_a_head_packed_in_vocabulary_chunks_gives_the_logits_and_their_first_maximum():
-    g = torch.Generator().manual_seed(3)
-    weight, x = torch.randn(1000, 64, generator=g), torch.randn(5, 64, generator=g)
-    weight[700] = weight[300]  # a tie across chunks: the first maximum wins, as argmax
-    x[0] = weight[300] * 4
-    head = kernels.pack_head(weight, chunk=256)
-    assert head is not None and [(s, e) for s, e, _ in head.chunks] == [(0, 256), (256, 512), (512, 768), (768, 1000)]
-    with torch.inference_mode():
-        logits = kernels.head_logits(x, head)
-        torch.testing.assert_close(logits, F.linear(x, weight), rtol=1e-5, atol=1e-4)
-        tokens = kernels.head_argmax(x, head)
-    assert tokens.tolist() == logits.argmax(-1).tolist() and tokens[0] == 300
-    assert linear_module.head_chunk_size() >= 1024 and linear_module.head_chunk_size() % 256 == 0

@@ -21,7 +21,6 @@ dtypes and devices use F.linear.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -90,61 +89,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """x [..., in] as the contiguous [rows, in] matrix the C++ kernels take."""
     return x.reshape(rows, x.shape[-1]).contiguous()
-
-
-@dataclass(frozen=True)
-class PackedHead:
-    """An LM head's weight [V, H] packed in vocabulary chunks. Greedy decoding then takes each chunk's maximum
-    while its logits are still in cache (`head_argmax`), instead of writing the whole [rows, V] logits to
-    memory and reading them back: for a 150k vocabulary and 64 rows that is 39 MB each way per step."""
-
-    weight: torch.Tensor
-    chunks: tuple[tuple[int, int, PackedWeight], ...]  # (first, end) vocabulary entries, and their packed rows
-
-
-def head_chunk_size(rows: int = 64) -> int:
-    """Vocabulary entries per chunk: `rows` rows of a chunk's float32 logits take an eighth of the last-level
-    cache (read from the machine; 32 MiB where it does not say)."""
-    last_level = 32 * 2 ** 20
-    try:
-        sizes = [p.read_text().strip() for p in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")]
-        last_level = max(int(size[:-1]) * 1024 if size.endswith("K") else int(size) for size in sizes)
-    except (OSError, ValueError):
-        pass
-    return max(1024, last_level // 8 // (4 * rows) // 256 * 256)
-
-
-def pack_head(weight: torch.Tensor, chunk: int | None = None) -> PackedHead | None:
-    """`weight` packed in chunks of `chunk` (default `head_chunk_size()`) vocabulary entries; None where
-    `pack_weight` packs nothing."""
-    chunk, parts = chunk or head_chunk_size(), []
-    for start in range(0, weight.shape[0], chunk):
-        packed = pack_weight(weight[start:start + chunk])
-        if packed is None:
-            return None
-        parts.append((start, min(start + chunk, weight.shape[0]), packed))
-    return PackedHead(weight, tuple(parts))
-
-
-def _head_chunks(x: torch.Tensor, head: PackedHead):
-    for start, end, packed in head.chunks:
-        yield start, linear(x, head.weight[start:end], None, packed)
-
-
-def head_logits(x: torch.Tensor, head: PackedHead) -> torch.Tensor:
-    """x [..., H] -> the logits [..., V]."""
-    return torch.cat([out for _, out in _head_chunks(x, head)], dim=-1)
-
-
-def head_argmax(x: torch.Tensor, head: PackedHead) -> torch.Tensor:
-    """x [R, H] -> each row's first maximum over the vocabulary [R] int64, one chunk of logits at a time."""
-    best = index = None
-    for start, out in _head_chunks(x, head):
-        value, position = out.max(-1)
-        if best is None:
-            best, index = value, position
-            continue
-        better = value > best  # ties keep the earlier chunk's: the first maximum, as argmax
-        best = torch.where(better, value, best)
-        index = torch.where(better, position + start, index)
-    return index
