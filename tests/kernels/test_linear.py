@@ -105,3 +105,37 @@ def test_the_training_path_ignores_packed_copies_and_kernels_with_autograd_off()
             plain = kernels.linear(x, weight, None, claims_current)
     assert torch.equal(plain, F.linear(x, weight))
     assert not torch.allclose(fast, plain)  # outside, the inference path trusts the copy
+
+
+def test_a_head_packed_in_vocabulary_chunks_gives_the_logits_and_their_first_maximum():
+    g = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(1000, 64, generator=g), torch.randn(5, 64, generator=g)
+    weight[700] = weight[300]  # a tie across chunks: the first maximum wins, as argmax
+    x[0] = weight[300] * 4
+    head = kernels.pack_head(weight, chunk=256)
+    assert head is not None and [(s, e) for s, e, _ in head.chunks] == [(0, 256), (256, 512), (512, 768), (768, 1000)]
+    with torch.inference_mode():
+        logits = kernels.head_logits(x, head)
+        torch.testing.assert_close(logits, F.linear(x, weight), rtol=1e-5, atol=1e-4)
+        tokens = kernels.head_argmax(x, head)
+    assert tokens.tolist() == logits.argmax(-1).tolist() and tokens[0] == 300
+    assert linear_module.head_chunk_size() >= 1024 and linear_module.head_chunk_size() % 256 == 0
+
+
+def test_a_packed_head_serves_only_the_weight_it_was_packed_from():
+    """A step in place or another shape retires the copy; a ZeRO-3 partition (empty storage, whole shape in
+    `ds_shape`, its version unchanged) keeps it."""
+    weight, x = torch.nn.Parameter(torch.randn(600, 32)), torch.randn(3, 32)
+    head = kernels.pack_head(weight.detach(), chunk=256)
+    with torch.no_grad():
+        assert head is not None and head.serves(x, weight)
+        weight.add_(1.0)
+        assert not head.serves(x, weight)
+    head = kernels.pack_head(weight.detach(), chunk=256)
+    assert not head.serves(x, weight)  # autograd on: the training path
+    with torch.inference_mode():
+        assert head.serves(x, weight) and not head.serves(x.double(), weight)
+        assert not head.serves(x, torch.nn.Parameter(torch.randn(500, 32)))
+        assert not head.serves(x, torch.randn(600, 32))  # an inference tensor: no version to tell by
+        weight.data, weight.ds_shape = torch.empty(0), torch.Size([600, 32])
+        assert head.serves(x, weight)

@@ -81,6 +81,12 @@ class _Request:
     seqs: list[Sequence] = field(default_factory=list)
 
 
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Argmax of the raw logits is all `sample` does for these: no penalties, no logprobs of any kind."""
+    return (params.greedy and params.repetition_penalty == 1.0 and not params.presence_penalty
+            and not params.frequency_penalty and params.logprobs is None and params.prompt_logprobs is None)
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer, engine_cfg, device: torch.device, dtype: torch.dtype, accelerator,
                  eos_token_ids: set[int] | None = None, image_processor=None, group=None):
@@ -383,12 +389,13 @@ class LLMEngine:
         self._pack_now()
         batch = self.scheduler.schedule()
         outputs: dict[str, RequestOutput] = {}
+        greedy = choose is sample and all(_plain_greedy(item.seq.params) for item in batch)
         try:
-            logits = self.runner.execute(batch) if batch else None
+            logits = self.runner.execute(batch, greedy) if batch else None
         except ImagesFailed as failure:  # the step goes on without the requests whose images the tower refuses
             outputs = {request_id: self._fail(request_id, failure.error) for request_id in failure.request_ids}
             batch = [item for item in batch if item.seq.request_id not in failure.request_ids]
-            logits = self.runner.execute(batch) if batch else None
+            logits = self.runner.execute(batch, greedy) if batch else None
         if not batch:
             return list(outputs.values())
         if self.runner.prefetches:  # while the forward is in flight on an accelerator
@@ -397,7 +404,10 @@ class LLMEngine:
         if self.runner.prompt_rows:
             self._score_prompts(logits[len(sampling):])
             logits = logits[:len(sampling)]
-        tokens, entries = choose(logits, sampling) if sampling else ([], [])
+        if greedy:  # the runner chose the tokens (`sample` would take the same argmax)
+            tokens, entries = logits.tolist(), [None] * len(sampling)
+        else:
+            tokens, entries = choose(logits, sampling) if sampling else ([], [])
         for item in batch:
             item.seq.num_computed_tokens += item.num_new_tokens
             self.blocks.register_full_blocks(item.seq)

@@ -21,6 +21,7 @@ import logging
 
 import torch
 
+from unified import kernels
 from unified.engine.decode_graphs import DecodeGraphs
 from unified.engine.kv_cache import KVCache, PagedAttentionContext, StepMetadata
 from unified.engine.multimodal import EncoderCache
@@ -183,13 +184,15 @@ class ModelRunner:
         """This rank's index among the engine's ranks (0 on the driver)."""
         return torch.distributed.get_rank(self.group)
 
-    def execute(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+    def execute(self, batch: list[ScheduledSeq], greedy: bool = False) -> torch.Tensor:
         """Runs the step; returns float32 logits [num sampling sequences, V] in batch order, then the rows
-        of `prompt_rows` (prompt logprobs)."""
+        of `prompt_rows` (prompt logprobs). `greedy` (no prompt rows): each sampling sequence's most likely
+        token instead, int64 [num sampling sequences], which the model may find without writing the logits."""
         if self.graphs is not None and self.graphs.takes(batch):
             self.prompt_rows = []
-            return self.graphs.run(batch)
-        plan = self.prepare(batch)
+            logits = self.graphs.run(batch)
+            return kernels.argmax_rows(logits) if greedy else logits
+        plan = (*self.prepare(batch), greedy)
         if self.distributed:
             torch.distributed.broadcast_object_list([plan], src=self.driver, group=self.group)
         return self._run(*plan)
@@ -217,11 +220,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run(self, ids, positions, meta: StepMetadata, sample_rows: list[int],
-             images: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             images: tuple[torch.Tensor, torch.Tensor] | None = None, greedy: bool = False) -> torch.Tensor:
         images = {} if images is None else {"image_embeds": images[0].to(self.device), "image_mask": images[1]}
         with forward_context(PagedAttentionContext(self.cache, meta)):
             hidden = self.model(ids, positions, **images)  # [1, T, H]
         if not sample_rows:
-            return hidden.new_empty(0, 0)
-        rows = to_device(sample_rows, torch.long, self.device)
-        return self.model.logits(hidden[0].index_select(0, rows)).float()
+            return hidden.new_empty(0, dtype=torch.long) if greedy else hidden.new_empty(0, 0)
+        rows = hidden[0].index_select(0, to_device(sample_rows, torch.long, self.device))
+        return self.model.greedy_tokens(rows) if greedy else self.model.logits(rows).float()

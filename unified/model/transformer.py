@@ -91,7 +91,7 @@ class CausalLM(nn.Module):
         self.lm_head = (ColumnLinear(config.hidden_size, config.vocab_size, mp)
                         if stage.last and not tied and not classifier else None)
         self.score = ScoreHead(config.hidden_size, config.num_labels, dtype) if stage.last and classifier else None
-        self.tied_head_packed: kernels.PackedWeight | None = None
+        self.tied_head_packed: kernels.PackedHead | None = None
         self.checkpoint_layers = False  # training: recompute each layer's activations in backward
         self.sequence_parallel = False  # training under tensor parallel: split the sequence between linears
         self.rope = RotaryEmbedding(config.rope_parameters, config.rope_head_dim, config.max_position_embeddings,
@@ -150,13 +150,24 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             if self.embed.tp_group.size() > 1:  # backward: sum the ranks' gradients of `hidden`, as ColumnLinear does
                 hidden = copy_to_tensor_model_parallel_region(hidden, group=self.embed.tp_group)
-            return kernels.linear(hidden, self.embed.weight, None, self.tied_head_packed)
+            if self.tied_head_packed is not None and self.tied_head_packed.serves(hidden, self.embed.weight):
+                return kernels.head_logits(hidden, self.tied_head_packed)
+            return kernels.linear(hidden, self.embed.weight)
         return self.lm_head(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V]: every rank (every tensor and pipeline stage) gets the whole vocabulary's logits."""
         out = gather_vocab(self.vocab_parallel_logits(hidden)) if self.stage.last else None
         return self._from_last_stage(out, (*hidden.shape[:-1], self.config.vocab_size), hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[R, H] -> each row's most likely token (the first maximum of `logits`), int64 [R] on every rank. With
+        the tied head packed in vocabulary chunks (CPU inference) the whole logits are never written out."""
+        head = self.tied_head_packed
+        if (head is not None and self.stage.size == 1 and self.embed.tp_group.size() == 1
+                and head.serves(hidden, self.embed.weight)):
+            return kernels.head_argmax(hidden, head)
+        return kernels.argmax_rows(self.logits(hidden))  # exact in any dtype: no upcast
 
     def scores(self, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """A sequence classifier's scores, on every rank: hidden [B, S, H], last [B] (the position each row
@@ -181,7 +192,7 @@ class CausalLM(nn.Module):
             if isinstance(module, PackableLinear):
                 module.pack()
         if self.config.tie_word_embeddings and self.stage.last:
-            self.tied_head_packed = kernels.pack_weight(self.embed.weight)
+            self.tied_head_packed = kernels.pack_head(self.embed.weight)
 
     def unpack_weights(self) -> int:
         """Drops the packed copies `pack_weights` made; returns their bytes."""
@@ -191,6 +202,6 @@ class CausalLM(nn.Module):
                 freed += module.packed.tensor.numel() * module.packed.tensor.element_size()
                 module.packed = None
         if self.tied_head_packed is not None:
-            freed += self.tied_head_packed.tensor.numel() * self.tied_head_packed.tensor.element_size()
+            freed += self.tied_head_packed.nbytes
             self.tied_head_packed = None
         return freed
