@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -143,6 +144,25 @@ def test_engine_agrees_across_layouts(tiny_mqa_checkpoint, tmp_path):
             assert [e["token_id"] for e in split[request_id]] == [e["token_id"] for e in entries], layout
             assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(split[request_id], entries)) < 1e-4, layout
 
+
+
+def test_speculative_decoding_under_tensor_parallel_keeps_the_greedy_tokens(tiny_mqa_checkpoint, tmp_path):
+    """n-gram drafts verified on two tensor-parallel ranks: the tokens of one rank without speculation."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt": "one two three four " * (2 + i), "max_tokens": 16,
+                                           "temperature": 0, "logprobs": 1, "ignore_eos": True}) + "\n"
+                               for i in range(4)))
+    common = (f"model={tiny_mqa_checkpoint}", f"input={prompts}", "engine.num_blocks=64", "engine.block_size=4")
+    single = run_cli("recipe=batch", *common, f"output={tmp_path / 'one.jsonl'}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    out = tmp_path / "tp2.jsonl"
+    result = launch("deepspeed", "recipe=batch", *common, f"output={out}", "parallel=tp2",
+                    "engine.speculative.method=ngram", "engine.speculative.prompt_lookup_min=1")
+    drafts = re.search(r"speculative decoding: (\d+) drafts, mean acceptance length", result.stdout + result.stderr)
+    assert drafts and int(drafts.group(1)) > 0
+    reference, split = _batch_logprobs(tmp_path / "one.jsonl"), _batch_logprobs(out)
+    for request_id, entries in reference.items():
+        assert [e["token_id"] for e in split[request_id]] == [e["token_id"] for e in entries]
 
 def test_serving_on_two_ranks_reports_collectives_reloads_weights_and_stops_cleanly(
         tiny_mqa_checkpoint, smollm2_checkpoint, tmp_path, runtime):

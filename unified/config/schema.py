@@ -35,6 +35,16 @@ class KernelsConfig:
 
 
 @dataclass
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's speculative_config; unified/engine/speculative.py)."""
+    method: Optional[str] = None  # None: off | ngram (prompt lookup); draft and mtp are not built yet
+    num_tokens: int = 4  # draft tokens proposed per sequence and step
+    prompt_lookup_min: int = 2  # ngram: the shortest suffix looked up in the sequence's earlier tokens
+    prompt_lookup_max: int = 4  # ngram: the longest, tried first
+    draft_model: Optional[str] = None  # draft: the draft model's checkpoint folder (same tokenizer)
+
+
+@dataclass
 class EngineConfig:
     block_size: int = 16  # tokens per KV-cache block
     max_num_seqs: int = 64  # sequences in one step
@@ -55,6 +65,7 @@ class EngineConfig:
     # Run every step eagerly: no decode graphs (on accelerators, pure-decode steps otherwise replay CUDA/MUSA
     # graphs captured per padded batch size; see unified/engine/decode_graphs.py)
     enforce_eager: bool = False
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 @dataclass

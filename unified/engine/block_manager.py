@@ -131,6 +131,17 @@ class BlockManager:
         assert needed <= self.num_free_blocks
         seq.block_table.extend(self._take_free() for _ in range(needed))
 
+    def trim(self, seq: Sequence) -> None:
+        """Frees the blocks past those `seq`'s tokens need (held for speculative drafts that were rejected; their
+        slots were never computed for good, so they carry no prefix-cache hash)."""
+        keep = -(-seq.num_tokens // self.block_size)
+        for block_id in seq.block_table[keep:]:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash is None
+            self.free[block_id] = None
+        del seq.block_table[keep:]
+
     def register_full_blocks(self, seq: Sequence) -> None:
         """Publishes the blocks whose tokens are all computed, so later requests can reuse them."""
         if not self.prefix_caching or not seq.publishes_blocks:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from unified.chat import chat_prompt, content_images
 from unified.checkpoint import load_model
 from unified.checkpoint.builtin import resolve_model
-from unified.config.schema import DeviceConfig, EngineConfig, ParallelConfig
+from unified.config.schema import DeviceConfig, EngineConfig, ParallelConfig, SpeculativeConfig
 from unified.engine.llm_engine import LLMEngine, RequestOutput
 from unified.engine.sampling_params import SamplingParams
 from unified.runtime import start_runtime
@@ -51,6 +51,8 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
 class LLM:
     def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto", seed: int = 0,
                  **engine_options):
+        if isinstance(engine_options.get("speculative"), dict):  # LLM(..., speculative={"method": "ngram"})
+            engine_options["speculative"] = SpeculativeConfig(**engine_options["speculative"])
         self._use(build_engine(model, DeviceConfig(device, dtype), ParallelConfig(), EngineConfig(**engine_options),
                                seed))
 

@@ -27,6 +27,7 @@ from unified.engine.sampler import TokenLogprob, prompt_logprob_entry, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
+from unified.engine.speculative import SpecDecodeStats, Speculator
 from unified.engine.trainer_link import COMMANDS as TRAINER_COMMANDS, TrainerLink
 from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
 from unified.errors import UserError
@@ -67,6 +68,7 @@ class EngineStats:
     preemptions: int
     prefix_queried_tokens: int = 0  # since the last reset of the prefix cache (warm-up, weight swap)
     prefix_hit_tokens: int = 0
+    spec: SpecDecodeStats | None = None  # speculative decoding's counters since start, when it is on
 
     @property
     def kv_usage(self) -> float:
@@ -120,6 +122,7 @@ class LLMEngine:
         if self.max_model_len < context:
             log.warning("the KV cache holds %d tokens, fewer than the %d-token context; sequences stop there",
                         self.max_model_len, context)
+        self.speculator = self._speculator()
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.weights_version = 0  # how many times update_weights replaced the weights
@@ -131,6 +134,16 @@ class LLMEngine:
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d bytes/token)", num_blocks,
                  engine_cfg.block_size, num_blocks * engine_cfg.block_size, cache.total_bytes / 2 ** 20,
                  engine_cfg.kv_cache_dtype, cache.bytes_per_token)
+
+    def _speculator(self) -> Speculator | None:
+        spec = self.cfg.speculative
+        if spec is None or spec.method is None:
+            return None
+        if self.runner.mrope:
+            raise UserError("engine.speculative is not available for models with M-RoPE positions yet; "
+                            "leave engine.speculative.method null")
+        log.info("speculative decoding: %s, up to %d draft tokens per step", spec.method, spec.num_tokens)
+        return Speculator(spec, self.max_model_len)
 
     def _capture_decode_graphs(self, accelerator) -> None:
         cache = self.runner.cache
@@ -209,7 +222,7 @@ class LLMEngine:
             fragmentation=1 - sum(filled.values()) / allocated if allocated else 0.0,
             prefix_hit_rate=blocks.hit_tokens / blocks.queried_tokens if blocks.queried_tokens else 0.0,
             preemptions=self.scheduler.num_preemptions, prefix_queried_tokens=blocks.queried_tokens,
-            prefix_hit_tokens=blocks.hit_tokens)
+            prefix_hit_tokens=blocks.hit_tokens, spec=self.speculator.stats if self.speculator else None)
 
     def follow(self, ignore_signals: bool = True) -> None:
         """Non-driver ranks: serve the driver's steps until it releases them (`release_followers`, or its
@@ -294,6 +307,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Driver: releases the ranks that follow it for good."""
         self.release_followers()
+        if self.speculator is not None:
+            self.speculator.log_progress(final=True)
 
     # Requests ---------------------------------------------------------------------------------------
 
@@ -387,6 +402,8 @@ class LLMEngine:
         if not self.runner.cache.allocated:
             raise RuntimeError("the KV cache was released: restore_kv_cache() before stepping")
         self._pack_now()
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running if choose is sample else [])
         batch = self.scheduler.schedule()
         outputs: dict[str, RequestOutput] = {}
         greedy = choose is sample and all(_plain_greedy(item.seq.params) for item in batch)
@@ -400,33 +417,71 @@ class LLMEngine:
             return list(outputs.values())
         if self.runner.prefetches:  # while the forward is in flight on an accelerator
             self.runner.prefetch_images(self._upcoming_images(batch))
-        sampling = [item.seq for item in batch if item.samples]
+        sampling = [item for item in batch if item.samples]
+        num_rows = sum(1 + len(item.draft) for item in sampling)
         if self.runner.prompt_rows:
-            self._score_prompts(logits[len(sampling):])
-            logits = logits[:len(sampling)]
-        if greedy:  # the runner chose the tokens (`sample` would take the same argmax)
-            tokens, entries = logits.tolist(), [None] * len(sampling)
-        else:
-            tokens, entries = choose(logits, sampling) if sampling else ([], [])
+            self._score_prompts(logits[num_rows:])
+            logits = logits[:num_rows]
+        tokens, entries = self._choose_tokens(sampling, logits, greedy, choose)
         for item in batch:
-            item.seq.num_computed_tokens += item.num_new_tokens
+            item.seq.num_computed_tokens += item.num_new_tokens - len(item.draft)  # drafts count once accepted
+            item.seq.draft = []
             self.blocks.register_full_blocks(item.seq)
-        for seq, token, entry in zip(sampling, tokens, entries):
-            request_id = seq.request_id
+        for item, seq_tokens, seq_entries in zip(sampling, tokens, entries):
+            seq, request_id = item.seq, item.seq.request_id
             if request_id in outputs:  # another of its n sequences failed earlier in this step
                 continue
             try:
-                if isinstance(token, Exception):
-                    raise token
-                seq.append(token)
-                if entry is not None:
-                    seq.logprobs.append(entry)
-                self._check_stop(seq, token)
+                for token, entry in zip(seq_tokens, seq_entries):
+                    if isinstance(token, Exception):
+                        raise token
+                    seq.append(token)
+                    if entry is not None:
+                        seq.logprobs.append(entry)
+                    self._check_stop(seq, token)
+                    if seq.is_finished:
+                        break
+                if item.draft and not seq.is_finished:  # the accepted drafts' K/V stand; the rest are overwritten
+                    seq.num_computed_tokens = seq.num_tokens - 1
+                    self.blocks.register_full_blocks(seq)
+                    self.blocks.trim(seq)
                 if self._finished(request_id):
                     outputs[request_id] = self._pop_output(request_id)
             except Exception as err:  # noqa: BLE001 - this request's own failure: end it, step on for the others
                 outputs[request_id] = self._fail(request_id, err)
+        if self.speculator is not None:
+            self.speculator.log_progress()
         return list(outputs.values())
+
+    def _choose_tokens(self, sampling: list, logits: torch.Tensor, greedy: bool, choose) -> tuple[list, list]:
+        """Per sampling sequence, the tokens it gains this step and their logprob entries: one token, or with a
+        speculative draft the accepted drafts and the target's next token. `logits` holds each sequence's rows
+        in order (1 + len(draft)); with `greedy` they are the rows' argmax token ids instead."""
+        if not any(item.draft for item in sampling):  # one row per sequence
+            if greedy:  # the runner chose the tokens (`sample` would take the same argmax)
+                return [[t] for t in logits.tolist()], [[None]] * len(sampling)
+            tokens, entries = choose(logits, [item.seq for item in sampling]) if sampling else ([], [])
+            return [[t] for t in tokens], [[e] for e in entries]
+        starts = list(itertools.accumulate((1 + len(item.draft) for item in sampling), initial=0))
+        ids = logits.tolist() if greedy else None
+        tokens, entries = [None] * len(sampling), [None] * len(sampling)
+        plain = [i for i, item in enumerate(sampling) if not item.draft]
+        if plain and greedy:
+            for i in plain:
+                tokens[i], entries[i] = [ids[starts[i]]], [None]
+        elif plain:
+            rows = logits.index_select(0, torch.tensor([starts[i] for i in plain], device=logits.device))
+            for i, token, entry in zip(plain, *choose(rows, [sampling[i].seq for i in plain])):
+                tokens[i], entries[i] = [token], [entry]
+        for i, item in enumerate(sampling):
+            if item.draft:
+                rows = slice(starts[i], starts[i + 1])
+                try:
+                    tokens[i], entries[i] = self.speculator.verify(item.seq, item.draft, None if greedy else logits[rows],
+                                                                   ids[rows] if greedy else None)
+                except Exception as err:  # noqa: BLE001 - this request's own failure, as `choose` reports it
+                    tokens[i], entries[i] = [err], [None]
+        return tokens, entries
 
     def _score_prompts(self, logits: torch.Tensor) -> None:
         """The raw log-probability (and the top k) of each prompt token the step's prompt rows predict."""

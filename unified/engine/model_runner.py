@@ -2,7 +2,8 @@
 
 All sequences' new tokens are concatenated into a single [1, T] batch (no padding); the attention
 context tells each layer where those tokens' K/V go and which blocks each sequence reads. Only the
-last position of each sequence that reaches its end this step goes through the LM head.
+last position of each sequence that reaches its end this step goes through the LM head, with a
+speculative draft's positions before it (unified/engine/speculative.py).
 
 Across ranks (tensor, pipeline, expert parallel) one scheduler drives: the driver (global rank 0)
 prepares each step's inputs and broadcasts them; every other rank `follow()`s, running the same
@@ -75,7 +76,7 @@ class ModelRunner:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             table = seq.block_table
-            tokens += seq.token_ids[start:end]
+            tokens += seq.token_ids[start:end] + item.draft
             mm = seq.multimodal
             if self.mrope:
                 positions.append(mm.positions(start, end, seq.num_prompt_tokens) if mm
@@ -90,8 +91,8 @@ class ModelRunner:
             slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
             query_start.append(query_start[-1] + item.num_new_tokens)
             context_lens.append(end)
-            if item.samples:
-                sample_rows.append(query_start[-1] - 1)
+            if item.samples:  # the last position's row, after one per draft token
+                sample_rows += range(query_start[-1] - 1 - len(item.draft), query_start[-1])
             if seq.params.prompt_logprobs is not None and seq.index == 0 and start < seq.num_prompt_tokens - 1:
                 last = min(end, seq.num_prompt_tokens - 1)  # the prompt's last row predicts the first output
                 prompt_rows.append((seq, start, last - start))
@@ -185,9 +186,10 @@ class ModelRunner:
         return torch.distributed.get_rank(self.group)
 
     def execute(self, batch: list[ScheduledSeq], greedy: bool = False) -> torch.Tensor:
-        """Runs the step; returns float32 logits [num sampling sequences, V] in batch order, then the rows
-        of `prompt_rows` (prompt logprobs). `greedy` (no prompt rows): each sampling sequence's most likely
-        token instead, int64 [num sampling sequences], which the model may find without writing the logits."""
+        """Runs the step; returns float32 logits [sampling rows, V]: each sampling sequence's in batch order
+        (one, or 1 + len(draft) with a speculative draft), then the rows of `prompt_rows` (prompt logprobs).
+        `greedy` (no prompt rows): each sampling row's most likely token instead, int64 [sampling rows], which
+        the model may find without writing the logits."""
         if self.graphs is not None and self.graphs.takes(batch):
             self.prompt_rows = []
             logits = self.graphs.run(batch)

@@ -11,7 +11,7 @@ place) until that block is in the prefix cache (see BlockManager.allocate_prefix
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from unified.engine.block_manager import BlockManager
 from unified.engine.sequence import Sequence, Status
@@ -20,12 +20,14 @@ from unified.engine.sequence import Sequence, Status
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens (drafts included)
+    draft: list[int] = field(default_factory=list)  # speculative tokens after the sequence's last (speculative.py)
 
     @property
     def samples(self) -> bool:
-        """True when this step reaches the end of the sequence, so its last logits pick a token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """True when this step reaches the end of the sequence, so its last logits (one row per draft token
+        more) pick tokens."""
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
 
 
 class Scheduler:
@@ -58,7 +60,8 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted below to make room for an earlier one
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(remaining + len(seq.draft), budget)
             while not self.blocks.can_allocate(seq, seq.num_computed_tokens + num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -67,7 +70,7 @@ class Scheduler:
             if seq.status is not Status.RUNNING:
                 continue
             self.blocks.allocate(seq, seq.num_computed_tokens + num_new)
-            scheduled.append(ScheduledSeq(seq, num_new))
+            scheduled.append(ScheduledSeq(seq, num_new, seq.draft[:max(0, num_new - remaining)]))
             budget -= num_new
 
         if self.num_preemptions > preemptions_before:

@@ -37,6 +37,7 @@ class Sequence:
         self._generator: torch.Generator | None = None
         self.output_counts: dict[int, int] = {}
         self.multimodal = multimodal  # the prompt's images, if any
+        self.draft: list[int] = []  # speculative tokens proposed for its next step (see speculative.py)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This sequence's own random stream, on the device its logits are on (made at its first draw)."""
@@ -72,5 +73,6 @@ class Sequence:
         """After preemption: K/V are gone; prompt and generated tokens are recomputed as one prompt."""
         self.num_computed_tokens = 0
         self.block_table = []
+        self.draft = []
         self.publishes_blocks = True
         self.status = Status.WAITING

@@ -48,6 +48,17 @@ class ServerMetrics:
                                       registry=r)
         self.prefix_hits = Counter("unified_prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=r)
         self._prefix_seen = (0, 0)  # the engine's (queried, hit) tokens at the last refresh
+        # vLLM's spec_decode_* counters (engine.speculative on): steps with a draft, draft tokens, accepted ones
+        self.spec_drafts = Counter("unified_spec_decode_num_drafts", "Sequence steps that verified a draft",
+                                   registry=r)
+        self.spec_draft_tokens = Counter("unified_spec_decode_num_draft_tokens", "Draft tokens proposed",
+                                         registry=r)
+        self.spec_accepted_tokens = Counter("unified_spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                            registry=r)
+        self.spec_accepted_per_pos = Counter("unified_spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by their position in the draft", ["position"],
+                                             registry=r)
+        self._spec_seen: tuple[int, int, int, list[int]] = (0, 0, 0, [])
         self.preemptions = Gauge("unified_num_preemptions", "Sequences preempted for lack of KV blocks", registry=r)
         self.collective_seconds = Histogram("unified_collective_seconds",
                                             "Time per engine step in each kind of collective (distributed only)",
@@ -93,6 +104,19 @@ class ServerMetrics:
         self.prefix_hits.inc(now[1] - self._prefix_seen[1])
         self._prefix_seen = now
         self.preemptions.set(stats.preemptions)
+        if stats.spec is not None:
+            self._spec_counters(stats.spec)
+
+    def _spec_counters(self, spec) -> None:
+        drafts, draft_tokens, accepted, per_pos = self._spec_seen
+        self.spec_drafts.inc(spec.num_drafts - drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens - draft_tokens)
+        self.spec_accepted_tokens.inc(spec.num_accepted_tokens - accepted)
+        for position, count in enumerate(spec.accepted_per_pos):
+            seen = per_pos[position] if position < len(per_pos) else 0
+            self.spec_accepted_per_pos.labels(str(position)).inc(count - seen)
+        self._spec_seen = (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                           list(spec.accepted_per_pos))
 
     def weight_updated(self, nbytes: int, seconds: float, version: int) -> None:
         self.weight_updates.inc()

@@ -1,0 +1,170 @@
+"""Speculative decoding: propose a few tokens cheaply, verify them all in one forward of the target model.
+
+A decoding sequence with a draft of k tokens computes k + 1 positions in one step (its last token and the
+k drafts; the scheduler counts them against the token budget, the blocks they need are allocated like any
+others). The k + 1 rows of logits then decide how many drafts stand:
+
+- greedy sequences keep drafts while each equals the target's argmax at its position, then take the
+  target's token at the first mismatch (or the bonus token after the last draft), so the output is the
+  non-speculative output token for token;
+- sampled sequences use the rejection rule (Leviathan et al.; vLLM's rejection sampler): draft d at a
+  position where the target's distribution is p and the proposer's q is kept with probability
+  min(1, p(d) / q(d)); the first rejected position draws from max(0, p - q) normalised, and when all are
+  kept a bonus token is drawn from the next row. The output is distributed exactly as the target's. An
+  n-gram proposal is a point mass (q(d) = 1): keep with probability p(d), else draw from p without d.
+
+The K/V written for rejected drafts lie beyond the sequence's computed tokens: the next step overwrites
+them, and blocks held only for them go back to the pool (prefix-cache hashes cover computed tokens only).
+
+Proposers: `ngram` (prompt lookup: the continuation of the latest earlier occurrence of the sequence's
+last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; vLLM's `ngram` method). A separate
+draft model and MTP heads are not built yet.
+
+Sequences with repetition, presence or frequency penalties, or processed-mode logprobs, decode one token
+per step (their processing depends on every earlier token, drafts included).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from unified.engine.sampler import _choose, _draw, _filter, _log_probs, _logprob_entry
+from unified.engine.sampling_params import SamplingParams
+from unified.engine.sequence import Sequence
+from unified.errors import UserError
+
+log = logging.getLogger(__name__)
+
+METHODS = ("ngram",)
+NOT_YET = ("draft", "mtp")
+
+
+def check_config(cfg) -> None:
+    """A clear error for an `engine.speculative` the engine cannot run."""
+    if cfg.method in NOT_YET:
+        raise UserError(f"engine.speculative.method={cfg.method} is not available yet; use "
+                        f"engine.speculative.method=ngram, or leave it null")
+    if cfg.method not in METHODS:
+        raise UserError(f"engine.speculative.method={cfg.method!r} is unknown; use one of {', '.join(METHODS)}, "
+                        f"or null for no speculation")
+    if cfg.num_tokens < 1:
+        raise UserError(f"engine.speculative.num_tokens={cfg.num_tokens}: propose at least 1 token per step")
+    if not 1 <= cfg.prompt_lookup_min <= cfg.prompt_lookup_max:
+        raise UserError(f"engine.speculative.prompt_lookup_min={cfg.prompt_lookup_min} and prompt_lookup_max="
+                        f"{cfg.prompt_lookup_max}: need 1 <= min <= max")
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a sequence with these parameters may take drafts (see the module's last paragraph)."""
+    return (params.repetition_penalty == 1.0 and not params.presence_penalty and not params.frequency_penalty
+            and (params.logprobs is None or params.logprobs_mode == "raw"))
+
+
+def ngram_proposal(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
+    """Up to `num_tokens` tokens that followed the latest earlier occurrence of the last n tokens (the longest
+    n in [min_n, max_n] that occurs); [] when none does."""
+    count = len(token_ids)
+    if count <= min_n or num_tokens < 1:
+        return []
+    ids = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, count - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(ids[:-1], n)  # every n-gram that has a successor
+        hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return ids[start:start + num_tokens].tolist()
+    return []
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec-decode counters: steps with a draft, draft tokens, accepted ones, accepted per position."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos += [0] * (proposed - len(self.accepted_per_pos))
+        for position in range(accepted):
+            self.accepted_per_pos[position] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verified sequence gains per step: 1 (the target's own) plus the accepted drafts."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+class Speculator:
+    """Proposes drafts for the running sequences before a step and verifies them after it."""
+
+    def __init__(self, cfg, max_model_len: int):
+        check_config(cfg)
+        self.cfg, self.max_model_len = cfg, max_model_len
+        self.stats = SpecDecodeStats()
+        self._logged_drafts = 0
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Sets `draft` on each decoding sequence that may take one (room left in max_tokens and the context)."""
+        cfg = self.cfg
+        for seq in running:
+            seq.draft = []
+            if seq.num_computed_tokens != seq.num_tokens - 1 or not speculates(seq.params):
+                continue
+            room = min(cfg.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
+                       self.max_model_len - seq.num_tokens - 1)
+            if room > 0:
+                seq.draft = ngram_proposal(seq.token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, room)
+
+    def verify(self, seq: Sequence, draft: list[int], rows: torch.Tensor, greedy_tokens: list[int] | None
+               ) -> tuple[list[int], list]:
+        """The tokens `seq` gains from its draft's step (the accepted drafts, then the target's own token) and
+        their logprob entries (None where not asked for). `rows`: the step's float32 logits at the k + 1
+        positions; `greedy_tokens`: their argmaxes instead, when the runner found only those."""
+        if greedy_tokens is not None or seq.params.greedy:
+            targets = greedy_tokens if greedy_tokens is not None else rows.argmax(-1).tolist()
+            accepted = 0
+            while accepted < len(draft) and draft[accepted] == targets[accepted]:
+                accepted += 1
+            tokens = draft[:accepted] + [targets[accepted]]
+        else:
+            tokens = self._rejection_sample(seq, draft, rows)
+        self.stats.record(len(draft), len(tokens) - 1)
+        k = seq.params.logprobs
+        entries = ([_logprob_entry(_log_probs(rows[i]), token, k) for i, token in enumerate(tokens)]
+                   if k is not None else [None] * len(tokens))
+        return tokens, entries
+
+    def _rejection_sample(self, seq: Sequence, draft: list[int], rows: torch.Tensor) -> list[int]:
+        tokens = []
+        generator = seq.generator(rows.device)
+        for i, proposed in enumerate(draft):
+            scaled = _filter(rows[i], seq)
+            if not torch.isfinite(scaled.max()):  # nan, or no finite logit: the plain sampler's handling
+                return tokens + [_choose(rows[i], seq)[0]]
+            p = (scaled - scaled.max()).softmax(-1)
+            u = torch.rand((), dtype=torch.float64, generator=generator, device=rows.device)
+            if u < p[proposed]:
+                tokens.append(proposed)
+                continue
+            rest = scaled.clone()
+            rest[proposed] = float("-inf")  # max(0, p - q) for a point mass q at the draft
+            return tokens + [int(_draw((rest - rest.max()).unsqueeze(0), [seq])[0])]
+        scaled = _filter(rows[len(draft)], seq)
+        if not torch.isfinite(scaled.max()):
+            return tokens + [_choose(rows[len(draft)], seq)[0]]
+        return tokens + [int(_draw((scaled - scaled.max()).unsqueeze(0), [seq])[0])]
+
+    def log_progress(self, final: bool = False) -> None:
+        """The mean acceptance length in the log, every thousand drafts (and at the end, `final`)."""
+        if final or self.stats.num_drafts >= self._logged_drafts + 1000:
+            self._logged_drafts = self.stats.num_drafts
+            log.info("speculative decoding: %d drafts, mean acceptance length %.2f tokens per step",
+                     self.stats.num_drafts, self.stats.mean_acceptance_length)
