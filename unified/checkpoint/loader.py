@@ -16,6 +16,7 @@ import torch
 from unified.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from unified.checkpoint.hf_names import Param, parameter_map
 from unified.checkpoint.hf_vision_names import in_checkpoint_layout
+from unified.checkpoint.quantized import dequantizing
 from unified.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, save_safetensors
 from unified.model.config import ModelConfig
 from unified.model.multimodal import VisionLanguageModel
@@ -120,7 +121,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     hf = read_hf_config(path)
     config = model_config_from_hf(hf)
     _check_head(path, hf, config.num_labels, num_labels)
-    ckpt = SafetensorsCheckpoint(path)  # reads the headers only
+    ckpt = dequantizing(SafetensorsCheckpoint(path), hf)  # reads the headers only
     check_layout(current_layout(), layout_world(), config)  # before reading any weight
     with torch.device(device):
         model = VisionLanguageModel(config, dtype) if config.vision else CausalLM(config, dtype)
