@@ -139,3 +139,19 @@ def test_a_packed_head_serves_only_the_weight_it_was_packed_from():
         assert not head.serves(x, torch.randn(600, 32))  # an inference tensor: no version to tell by
         weight.data, weight.ds_shape = torch.empty(0), torch.Size([600, 32])
         assert head.serves(x, weight)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 40])
+def test_int8_weight_only_linear_matches_its_reference(rows):
+    """The C++ stream (up to 16 rows; 13 output features leave a tail of 5, 100 inputs one of 4) and the
+    chunked path beyond it both equal x @ (q * scale).T."""
+    g = torch.Generator().manual_seed(rows)
+    weight, bias, x = torch.randn(13, 100, generator=g), torch.randn(13, generator=g), torch.randn(rows, 100, generator=g)
+    packed = linear_module.quantize_int8(weight)
+    assert packed.tensor.dtype == torch.int8 and packed.tensor.abs().max() == 127
+    torch.testing.assert_close(packed.tensor.float() * packed.scale[:, None], weight, atol=weight.abs().max() / 254,
+                               rtol=0)
+    want = linear_module.int8_linear_reference(x, packed.tensor, packed.scale, bias)
+    with torch.inference_mode():
+        torch.testing.assert_close(kernels.linear(x, weight, bias, packed), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kernels.linear(x, weight, bias, packed), F.linear(x, weight, bias))  # training: the weight

@@ -66,6 +66,10 @@ class EngineConfig:
     # graphs captured per padded batch size; see unified/engine/decode_graphs.py)
     enforce_eager: bool = False
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    # Weights served quantized: None (as loaded) | int8 (weight-only, one scale per output feature, made at start
+    # from the loaded weights; embeddings, norms, routers and the routed experts stay as loaded)
+    quantization: Optional[str] = None
+    quantize_lm_head: bool = False  # with quantization: the LM head too (kept in full precision by default)
 
 
 @dataclass

@@ -101,7 +101,8 @@ class LLMEngine:
         if device.type == "cpu":
             retain_freed_host_memory()  # steps would otherwise fault their activations in afresh
             cpu_ops.cache_host_allocations()  # those above glibc's 32 MiB heap limit too (builds the kernels now)
-        if engine_cfg.packed_weights:
+        model.int8_weights, model.int8_head = self._quantization(engine_cfg), engine_cfg.quantize_lm_head
+        if self.packs_weights:
             model.pack_weights()
         self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes, accelerator, engine_cfg.image_prefetch,
                                   group)
@@ -134,6 +135,24 @@ class LLMEngine:
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d bytes/token)", num_blocks,
                  engine_cfg.block_size, num_blocks * engine_cfg.block_size, cache.total_bytes / 2 ** 20,
                  engine_cfg.kv_cache_dtype, cache.bytes_per_token)
+
+    @property
+    def packs_weights(self) -> bool:
+        """Whether the model's matmuls read copies of the weights made for inference (packed, or quantized)."""
+        return self.cfg.packed_weights or self.cfg.quantization is not None
+
+    @staticmethod
+    def _quantization(cfg) -> bool:
+        """Whether the weights are served as int8 copies; a clear error for a setting that cannot run."""
+        if cfg.quantization is None:
+            return False
+        if cfg.quantization == "int8":
+            return True
+        if cfg.quantization in ("fp8", "int4"):
+            raise UserError(f"engine.quantization={cfg.quantization} is not available for full-precision weights "
+                            f"yet: use int8, or load a checkpoint already quantized to it (block-FP8 or "
+                            f"compressed-tensors INT4 load as they are)")
+        raise UserError(f"engine.quantization={cfg.quantization!r} is unknown; use int8, or null")
 
     def _speculator(self) -> Speculator | None:
         spec = self.cfg.speculative
@@ -272,8 +291,8 @@ class LLMEngine:
         self.weights_changed()
 
     def repack_weights(self) -> None:
-        """Packed copies of the current weights, now (no-op without engine.packed_weights)."""
-        self._pack_pending = self.cfg.packed_weights
+        """Packed copies of the current weights, now (no-op without engine.packed_weights or quantization)."""
+        self._pack_pending = self.packs_weights
         self._pack_now()
 
     def _pack_now(self) -> None:
@@ -287,7 +306,7 @@ class LLMEngine:
         which the driver takes only after the caller has its answer; no prefix stays cached with the old
         weights."""
         self.link.weights_missing = False
-        if self.cfg.packed_weights:
+        if self.packs_weights:
             self.model.unpack_weights()
             self._pack_pending = True
             if not self.is_driver and not self.link.sleep_level:  # a follower's next step may come at once

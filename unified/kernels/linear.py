@@ -37,9 +37,15 @@ SKINNY_MAX_ROWS = 8  # measured here: 1.2-1.37x over oneDNN for 1-8 rows over Sm
 class PackedWeight:
     tensor: torch.Tensor  # the packed copy, in `layout`
     version: int  # the weight's `_version` when packed
-    layout: str  # "panels" (unified_cpu::pack_panels) or "onednn" (oneDNN's blocked layout)
+    layout: str  # "panels" (unified_cpu::pack_panels), "onednn" (oneDNN's blocked layout) or "int8" (below)
     # The version counters of the adapter folded into the copy (weight + its LoRA delta), None: the weight alone
     adapter: tuple[int, ...] | None = None
+    scale: torch.Tensor | None = None  # "int8": float32 [out]; the weight is about tensor * scale[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
+        return self.tensor.numel() * self.tensor.element_size() + extra
 
 
 def _panels_available() -> bool:
@@ -47,11 +53,17 @@ def _panels_available() -> bool:
 
 
 def pack_weight(weight: torch.Tensor, delta: torch.Tensor | None = None,
-                adapter: tuple[int, ...] | None = None) -> PackedWeight | None:
+                adapter: tuple[int, ...] | None = None, int8: bool = False) -> PackedWeight | None:
     """A packed copy of a CPU float32 weight [out, in] (plus `delta`, an adapter's update of it, whose
-    parameters' version counters are `adapter`); None where `linear` would not use one."""
-    if not (weight.device.type == "cpu" and weight.dtype == torch.float32) or weight.is_inference():
+    parameters' version counters are `adapter`); None where `linear` would not use one. `int8`: a weight-only
+    int8 copy instead (`quantize_int8`), on any device."""
+    if weight.is_inference():
         return None  # inference-mode tensors keep no version counter to tell a stale copy by
+    if int8:
+        with torch.no_grad():
+            return quantize_int8(weight if delta is None else weight + delta.to(weight.dtype), weight._version, adapter)
+    if not (weight.device.type == "cpu" and weight.dtype == torch.float32):
+        return None
     with torch.no_grad():
         source = weight if delta is None else weight + delta.to(weight.dtype)
         if _panels_available():
@@ -71,6 +83,9 @@ def takes_inference_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """F.linear: x [..., in] @ weight [out, in].T + bias, through `packed` when it is still the weight's."""
+    if (packed is not None and packed.layout == "int8" and packed.version == weight._version
+            and not torch.compiler.is_compiling() and cpu_ops.inference_path() and registry.backend() != "reference"):
+        return int8_linear(x, packed, bias)  # any device: the weights the engine was asked to serve in int8
     if torch.compiler.is_compiling() or not takes_inference_path(x, weight):
         return F.linear(x, weight, bias)
     rows = x.numel() // max(x.shape[-1], 1)
@@ -93,6 +108,8 @@ def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 def _packed_linear(x: torch.Tensor, packed: PackedWeight, out_features: int,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ the packed weight [out_features, in].T (+ bias) -> [..., out_features]."""
+    if packed.layout == "int8":
+        return int8_linear(x, packed, bias)
     if packed.layout == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
     rows = x.numel() // max(x.shape[-1], 1)
@@ -112,7 +129,7 @@ class PackedHead:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.tensor.numel() * p.tensor.element_size() for _, _, p in self.chunks)
+        return sum(p.nbytes for _, _, p in self.chunks)
 
     def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `linear` would take the inference path for x and the chunks are still `weight`: the same
@@ -140,12 +157,12 @@ def head_chunk_size(rows: int = 64) -> int:
     return max(1024, last_level // 8 // (4 * rows) // 256 * 256)
 
 
-def pack_head(weight: torch.Tensor, chunk: int | None = None) -> PackedHead | None:
-    """`weight` [V, H] packed in chunks of `chunk` (default `head_chunk_size()`) vocabulary entries; None where
-    `pack_weight` packs nothing."""
+def pack_head(weight: torch.Tensor, chunk: int | None = None, int8: bool = False) -> PackedHead | None:
+    """`weight` [V, H] packed in chunks of `chunk` (default `head_chunk_size()`) vocabulary entries (weight-only
+    int8 with `int8`); None where `pack_weight` packs nothing."""
     chunk, parts = chunk or head_chunk_size(), []
     for start in range(0, weight.shape[0], chunk):
-        packed = pack_weight(weight[start:start + chunk])
+        packed = pack_weight(weight[start:start + chunk], int8=int8)
         if packed is None:
             return None
         parts.append((start, min(start + chunk, weight.shape[0]), packed))
@@ -170,3 +187,39 @@ def head_argmax(x: torch.Tensor, head: PackedHead) -> torch.Tensor:
         best = torch.where(better, value, best)
         index = torch.where(better, position + start, index)
     return index
+
+
+INT8_KERNEL_MAX_ROWS = 16  # rows unified_cpu::int8_linear takes; more rows dequantize a chunk at a time
+INT8_CHUNK_ELEMENTS = 1 << 22  # weight entries dequantized at once otherwise (16 MiB of float32)
+
+
+def quantize_int8(weight: torch.Tensor, version: int | None = None,
+                  adapter: tuple[int, ...] | None = None) -> PackedWeight:
+    """Weight-only int8 with one scale per output feature: symmetric, each row's largest magnitude -> 127.
+    `version`: the version counter of the weight this stands for (default: `weight`'s)."""
+    w = weight.detach().float()
+    scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return PackedWeight(q.contiguous(), weight._version if version is None else version, "int8", adapter,
+                        scale.contiguous())
+
+
+def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    return F.linear(x, (q.float() * scale[:, None]).to(x.dtype), bias)
+
+
+def int8_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ (packed.tensor * packed.scale[:, None]).T + bias. On CPU in float32, up to
+    INT8_KERNEL_MAX_ROWS rows stream the int8 weight through `unified_cpu::int8_linear`; otherwise the weight
+    is dequantized to x's dtype a chunk of output features at a time, so no whole float copy is ever made."""
+    q, scale = packed.tensor, packed.scale
+    rows = x.numel() // max(x.shape[-1], 1)
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= INT8_KERNEL_MAX_ROWS
+            and cpu_ops.available() and hasattr(torch.ops.unified_cpu, "int8_linear")):
+        out = torch.ops.unified_cpu.int8_linear(_rows(x, rows), q, scale, bias)
+        return out.view(*x.shape[:-1], q.shape[0])
+    step = max(1, INT8_CHUNK_ELEMENTS // max(q.shape[1], 1))
+    parts = [F.linear(x, (q[i:i + step].to(x.dtype) * scale[i:i + step, None].to(x.dtype)),
+                      None if bias is None else bias[i:i + step]) for i in range(0, q.shape[0], step)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

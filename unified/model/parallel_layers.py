@@ -67,12 +67,14 @@ class PackableLinear:
 
     packed: kernels.PackedWeight | None = None
 
-    def pack(self) -> None:
+    def pack(self, int8: bool = False) -> None:
+        """`int8`: a weight-only int8 copy (kernels.quantize_int8), which the matmuls then use on any device."""
         if self.lora is None or not self.lora.active:
-            self.packed = kernels.pack_weight(self.weight)
+            self.packed = kernels.pack_weight(self.weight, int8=int8)
         else:
             with torch.no_grad():
-                self.packed = kernels.pack_weight(self.weight, self.lora.delta_weight(), self._adapter_versions())
+                self.packed = kernels.pack_weight(self.weight, self.lora.delta_weight(), self._adapter_versions(),
+                                                  int8=int8)
 
     def _adapter_versions(self) -> tuple[int, ...]:
         return tuple(p._version for p in self.lora.parameters())

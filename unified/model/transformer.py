@@ -92,6 +92,9 @@ class CausalLM(nn.Module):
                         if stage.last and not tied and not classifier else None)
         self.score = ScoreHead(config.hidden_size, config.num_labels, dtype) if stage.last and classifier else None
         self.tied_head_packed: kernels.PackedHead | None = None
+        # What `pack_weights` makes for inference: weight-only int8 copies of the linears (engine.quantization=int8),
+        # the LM head's too with `int8_head` (engine.quantize_lm_head)
+        self.int8_weights = self.int8_head = False
         self.checkpoint_layers = False  # training: recompute each layer's activations in backward
         self.sequence_parallel = False  # training under tensor parallel: split the sequence between linears
         self.rope = RotaryEmbedding(config.rope_parameters, config.rope_head_dim, config.max_position_embeddings,
@@ -190,16 +193,16 @@ class CausalLM(nn.Module):
         the weights outgrow is ignored, so call again after changing them to get the speed back."""
         for module in self.modules():
             if isinstance(module, PackableLinear):
-                module.pack()
+                module.pack(int8=self.int8_weights and (module is not self.lm_head or self.int8_head))
         if self.config.tie_word_embeddings and self.stage.last:
-            self.tied_head_packed = kernels.pack_head(self.embed.weight)
+            self.tied_head_packed = kernels.pack_head(self.embed.weight, int8=self.int8_weights and self.int8_head)
 
     def unpack_weights(self) -> int:
         """Drops the packed copies `pack_weights` made; returns their bytes."""
         freed = 0
         for module in self.modules():
             if isinstance(module, PackableLinear) and module.packed is not None:
-                freed += module.packed.tensor.numel() * module.packed.tensor.element_size()
+                freed += module.packed.nbytes
                 module.packed = None
         if self.tied_head_packed is not None:
             freed += self.tied_head_packed.nbytes

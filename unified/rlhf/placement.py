@@ -121,7 +121,7 @@ class Roles:
 def refresh_engine_copies(engine, model: nn.Module) -> None:
     """The engine's packed copies of the weights, which fold the LoRA adapters in (the optimizer may
     update parameters in place without a version bump that would tell the copies are stale)."""
-    if engine.cfg.packed_weights:
+    if engine.packs_weights:
         model.pack_weights()
 
 
