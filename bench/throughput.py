@@ -174,12 +174,14 @@ class Ours:
 
 
 class VLLM:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, options: dict | None = None):
+        """`options`: more vllm.LLM(...) arguments (a speculative_config, say)."""
         python = HERE / ".venv-vllm" / "bin" / "python"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_BYTES // 2 ** 30), "VLLM_CPU_OMP_THREADS_BIND": "0-1",
                "OMP_WAIT_POLICY": "PASSIVE"}
         self.log = Path(tempfile.gettempdir()) / "bench-vllm-worker.log"
-        self.proc = subprocess.Popen([str(python), str(HERE / "peers" / "vllm_worker.py"), str(path)], env=env,
+        self.proc = subprocess.Popen([str(python), str(HERE / "peers" / "vllm_worker.py"), str(path),
+                                      json.dumps(options or {})], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log.open("w"),
                                      text=True, start_new_session=True)
         self._read()

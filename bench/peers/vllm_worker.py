@@ -1,5 +1,6 @@
 """Runs vLLM's CPU build as a peer for bench/throughput.py, in bench/.venv-vllm (see setup_peers.sh).
 
+`python vllm_worker.py <model> ['{"speculative_config": {...}}']`: the JSON adds LLM(...) arguments.
 Reads one JSON command per line on stdin and answers one JSON line on stdout, so the benchmark can
 alternate between engines without paying vLLM's start-up each time:
   {"requests": [{"prompt": [ids], "max_tokens": m, "n": 1, "temperature": 0.0, "seed": null}, ...]}
@@ -18,8 +19,9 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     model = sys.argv[1]
+    options = json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}  # more LLM(...) arguments (bench/decode.py)
     llm = LLM(model=model, skip_tokenizer_init=True, dtype="float32", max_num_seqs=64, seed=0,
-              enable_prefix_caching=True)
+              enable_prefix_caching=True, **options)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         requests = json.loads(line)["requests"]

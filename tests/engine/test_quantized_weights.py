@@ -22,7 +22,7 @@ def _dequantized_copy(path, with_head: bool):
         for module in loaded.model.modules():
             if isinstance(module, PackableLinear) and (module is not loaded.model.lm_head or with_head):
                 packed = linear_module.quantize_int8(module.weight)
-                module.weight.copy_(packed.tensor.float() * packed.scale[:, None])
+                module.weight.copy_(linear_module.int8_dequantize(packed.tensor, packed.scale))
     return loaded
 
 
@@ -62,7 +62,7 @@ def test_the_head_is_quantized_when_asked(tiny_checkpoint, runtime):
         with torch.inference_mode():
             hidden = reference(torch.tensor([ids]), torch.arange(len(ids)))[0, len(prompt) - 1:]
             packed = linear_module.quantize_int8((reference.lm_head or reference.embed).weight)
-            want = torch.nn.functional.linear(hidden, packed.tensor.float() * packed.scale[:, None])
+            want = torch.nn.functional.linear(hidden, linear_module.int8_dequantize(packed.tensor, packed.scale))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

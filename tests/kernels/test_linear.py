@@ -141,16 +141,18 @@ def test_a_packed_head_serves_only_the_weight_it_was_packed_from():
         assert head.serves(x, weight)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 40])
-def test_int8_weight_only_linear_matches_its_reference(rows):
-    """The C++ stream (up to 16 rows; 13 output features leave a tail of 5, 100 inputs one of 4) and the
-    chunked path beyond it both equal x @ (q * scale).T."""
+@pytest.mark.parametrize("rows", [1, 3, 6, 16, 40])
+@pytest.mark.parametrize("in_features,group", [(256, 128), (100, None), (256, None)])
+def test_int8_weight_only_linear_matches_its_reference(rows, in_features, group):
+    """The C++ stream (up to 16 rows in blocks of 4; 13 output features leave a tail of 1) and the chunked path
+    beyond it both equal x @ (q * scale).T: one scale per output feature, or per 128 inputs of it."""
     g = torch.Generator().manual_seed(rows)
-    weight, bias, x = torch.randn(13, 100, generator=g), torch.randn(13, generator=g), torch.randn(rows, 100, generator=g)
-    packed = linear_module.quantize_int8(weight)
-    assert packed.tensor.dtype == torch.int8 and packed.tensor.abs().max() == 127
-    torch.testing.assert_close(packed.tensor.float() * packed.scale[:, None], weight, atol=weight.abs().max() / 254,
-                               rtol=0)
+    weight, bias = torch.randn(13, in_features, generator=g), torch.randn(13, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    packed = linear_module.quantize_int8(weight, group=group)
+    assert packed.tensor.dtype == torch.int8 and packed.scale.shape == (13, 2 if group else 1)
+    error = (linear_module.int8_dequantize(packed.tensor, packed.scale) - weight).abs()
+    assert (error <= packed.scale.repeat_interleave(in_features // packed.scale.shape[1], 1) / 2 + 1e-6).all()
     want = linear_module.int8_linear_reference(x, packed.tensor, packed.scale, bias)
     with torch.inference_mode():
         torch.testing.assert_close(kernels.linear(x, weight, bias, packed), want, rtol=1e-5, atol=1e-5)

@@ -40,7 +40,7 @@ class PackedWeight:
     layout: str  # "panels" (unified_cpu::pack_panels), "onednn" (oneDNN's blocked layout) or "int8" (below)
     # The version counters of the adapter folded into the copy (weight + its LoRA delta), None: the weight alone
     adapter: tuple[int, ...] | None = None
-    scale: torch.Tensor | None = None  # "int8": float32 [out]; the weight is about tensor * scale[:, None]
+    scale: torch.Tensor | None = None  # "int8": float32 [out, groups]; see quantize_int8
 
     @property
     def nbytes(self) -> int:
@@ -193,26 +193,35 @@ INT8_KERNEL_MAX_ROWS = 16  # rows unified_cpu::int8_linear takes; more rows dequ
 INT8_CHUNK_ELEMENTS = 1 << 22  # weight entries dequantized at once otherwise (16 MiB of float32)
 
 
-def quantize_int8(weight: torch.Tensor, version: int | None = None,
-                  adapter: tuple[int, ...] | None = None) -> PackedWeight:
-    """Weight-only int8 with one scale per output feature: symmetric, each row's largest magnitude -> 127.
-    `version`: the version counter of the weight this stands for (default: `weight`'s)."""
+def quantize_int8(weight: torch.Tensor, version: int | None = None, adapter: tuple[int, ...] | None = None,
+                  group: int | None = None) -> PackedWeight:
+    """Weight-only int8, symmetric: one scale per output feature (vLLM's and compressed-tensors' channel-wise
+    int8), or per `group` inputs of it; each span's largest magnitude -> 127. `version`: the version counter of
+    the weight this stands for (default: `weight`'s)."""
     w = weight.detach().float()
-    scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    rows, cols = w.shape
+    grouped = w.view(rows, -1, group or cols)
+    scale = (grouped.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [rows, groups]
+    q = torch.round(grouped / scale[..., None]).clamp_(-127, 127).to(torch.int8).view(rows, cols)
     return PackedWeight(q.contiguous(), weight._version if version is None else version, "int8", adapter,
                         scale.contiguous())
 
 
+def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [N, K] int8, scale [N, G] -> the weight [N, K] in `dtype`."""
+    rows, cols = q.shape
+    return (q.view(rows, scale.shape[1], -1).to(dtype) * scale[..., None].to(dtype)).view(rows, cols)
+
+
 def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, (q.float() * scale[:, None]).to(x.dtype), bias)
+    return F.linear(x, int8_dequantize(q, scale, x.dtype), bias)
 
 
 def int8_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ (packed.tensor * packed.scale[:, None]).T + bias. On CPU in float32, up to
-    INT8_KERNEL_MAX_ROWS rows stream the int8 weight through `unified_cpu::int8_linear`; otherwise the weight
-    is dequantized to x's dtype a chunk of output features at a time, so no whole float copy is ever made."""
+    """x [..., in] @ the weight `packed` encodes (+ bias). On CPU in float32, up to INT8_KERNEL_MAX_ROWS rows
+    stream the int8 weight through `unified_cpu::int8_linear`; otherwise it is dequantized to x's dtype a chunk
+    of output features at a time, so no whole float copy is ever made."""
     q, scale = packed.tensor, packed.scale
     rows = x.numel() // max(x.shape[-1], 1)
     if (x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= INT8_KERNEL_MAX_ROWS
@@ -220,6 +229,6 @@ def int8_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None
         out = torch.ops.unified_cpu.int8_linear(_rows(x, rows), q, scale, bias)
         return out.view(*x.shape[:-1], q.shape[0])
     step = max(1, INT8_CHUNK_ELEMENTS // max(q.shape[1], 1))
-    parts = [F.linear(x, (q[i:i + step].to(x.dtype) * scale[i:i + step, None].to(x.dtype)),
+    parts = [F.linear(x, int8_dequantize(q[i:i + step], scale[i:i + step], x.dtype),
                       None if bias is None else bias[i:i + step]) for i in range(0, q.shape[0], step)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
