@@ -25,6 +25,7 @@ JOBS = {
     "ppo": "unified.jobs.rlhf",
     "online": "unified.jobs.online",
     "vision_demo": "unified.jobs.vision_demo",
+    "quantize": "unified.jobs.quantize",
 }
 
 

@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from unified.checkpoint import load_model
+from unified.checkpoint.quantized import pack_int32
 from unified.checkpoint.safetensors_io import CheckpointError
 from unified.jobs.parity import compare, reference_model
 
@@ -46,16 +47,6 @@ def _block_fp8(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Te
     encoded = (q.float() * scale[..., :, None, :, None]).flatten(-2).flatten(-3, -2)[..., :rows, :cols].contiguous()
     q = q.flatten(-2).flatten(-3, -2)[..., :rows, :cols].contiguous()
     return q, scale, encoded
-
-
-def _pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Signed values [rows, cols] -> compressed-tensors' int32 packing along the columns (by hand)."""
-    per = 32 // bits
-    rows, cols = values.shape
-    unsigned = (values.to(torch.int64) + (1 << (bits - 1)))
-    unsigned = torch.nn.functional.pad(unsigned, (0, -cols % per)).view(rows, -1, per)
-    words = (unsigned << (torch.arange(per) * bits)).sum(-1)
-    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
 
 
 def _int_groups(weight: torch.Tensor, bits: int, group: int, symmetric: bool):
@@ -109,10 +100,10 @@ def test_a_compressed_tensors_int4_checkpoint_loads_as_its_dequantized_weights(r
         if _quantizable(name, tensor) and tensor.dim() == 2:
             q, scale, zero = _int_groups(tensor.float(), bits=4, group=16, symmetric=symmetric)
             scale = scale.to(torch.bfloat16)  # as such checkpoints store it
-            stored[f"{name}_packed"], stored[f"{name}_scale"] = _pack_int32(q, 4), scale
+            stored[f"{name}_packed"], stored[f"{name}_scale"] = pack_int32(q, 4), scale
             stored[f"{name}_shape"] = torch.tensor(list(tensor.shape))
             if zero is not None:  # packed along the output rows
-                stored[f"{name}_zero_point"] = _pack_int32(zero.to(torch.int8).t().contiguous(), 4).t().contiguous()
+                stored[f"{name}_zero_point"] = pack_int32(zero.to(torch.int8).t().contiguous(), 4).t().contiguous()
             spread = lambda t: t.float().repeat_interleave(16, 1)  # noqa: E731
             plain[name] = (q.float() - (spread(zero) if zero is not None else 0)) * spread(scale)
         else:

@@ -122,9 +122,8 @@ class BlockFP8Checkpoint(_QuantizedView):
                                   f"[rows, columns]")
         self.block = tuple(block) if block is not None else None
 
-    def _quantized(self, name: str) -> bool:
-        return (name.endswith(".weight") and self.ckpt.has(name)
-                and self.ckpt.get_slice(name).get_dtype() in FP8_DTYPES)
+    def _quantized(self, name: str) -> bool:  # `X.weight`, or a fused experts tensor, stored in float8
+        return self.ckpt.has(name) and self.ckpt.get_slice(name).get_dtype() in FP8_DTYPES
 
     def _dequantize(self, name: str) -> torch.Tensor:
         weight = self.ckpt.get(name).float()
@@ -242,3 +241,82 @@ def _unpack_int32(packed: torch.Tensor, bits: int, shape: tuple[int, ...], name:
     shifts = torch.arange(per, dtype=torch.int32) * bits
     values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
     return (values.reshape(rows, -1)[:, :cols] - (1 << (bits - 1))).to(torch.int8)
+
+
+# Writing them (`unified recipe=quantize`) -------------------------------------------------------------------
+
+FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size
+INT4_GROUPS = (128, 64, 32)  # inputs per int4 scale: the largest that divides every quantized input size
+
+
+def quantizes(name: str, shape: tuple[int, ...], method: str, lm_head: bool) -> bool:
+    """Whether `recipe=quantize` stores this HF tensor quantized: the text layers' projection weights (fused
+    3-D experts only in FP8, whose blocks cover them; compressed-tensors stores one matrix per module), and
+    the LM head when asked. Embeddings, norms, routers and vision towers stay as they are."""
+    if name == "lm_head.weight":
+        return lm_head
+    if ".layers." not in name or "visual" in name or "vision" in name:
+        return False
+    if name.endswith("_proj.weight") and len(shape) == 2:
+        return True
+    return method == "fp8" and len(shape) == 3 and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+
+
+def int4_group(in_sizes: list[int]) -> int:
+    group = next((g for g in INT4_GROUPS if all(n % g == 0 for n in in_sizes)), None)
+    if group is None:
+        raise CheckpointError(f"no int4 group size ({', '.join(map(str, INT4_GROUPS))}) divides every input size "
+                              f"({sorted(set(in_sizes))}); quantize to int8 or fp8 instead")
+    return group
+
+
+def quantize_tensor(name: str, tensor: torch.Tensor, method: str, group: int = INT4_GROUPS[0]
+                    ) -> dict[str, torch.Tensor]:
+    """The tensors a quantized checkpoint stores for weight `name` (see the module docstring for the formats);
+    `group`: int4's inputs per scale."""
+    w = tensor.float()
+    if method == "int8":  # compressed-tensors int-quantized, one scale per output channel
+        scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        return {name: torch.round(w / scale).clamp_(-127, 127).to(torch.int8), f"{name}_scale": scale}
+    if method == "int4":  # compressed-tensors pack-quantized, symmetric, group scales
+        rows, cols = w.shape
+        grouped = w.view(rows, cols // group, group)
+        scale = (grouped.abs().amax(-1) / 7).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round(grouped / scale[..., None]).clamp_(-8, 7).to(torch.int8).view(rows, cols)
+        return {f"{name}_packed": pack_int32(q, 4), f"{name}_scale": scale,
+                f"{name}_shape": torch.tensor([rows, cols], dtype=torch.int64)}
+    if method == "fp8":  # DeepSeek-V3's block format
+        *lead, rows, cols = w.shape
+        grid_r, grid_c = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+        padded = torch.zeros(*lead, grid_r * FP8_BLOCK, grid_c * FP8_BLOCK)
+        padded[..., :rows, :cols] = w
+        blocks = padded.unflatten(-1, (grid_c, FP8_BLOCK)).unflatten(-3, (grid_r, FP8_BLOCK))  # [.., R, b, C, b]
+        scale = (blocks.abs().amax(dim=(-3, -1)) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+        q = (blocks / scale[..., :, None, :, None]).to(torch.float8_e4m3fn)
+        q = q.flatten(-2).flatten(-3, -2)[..., :rows, :cols].contiguous()
+        return {name: q, f"{name}_scale_inv": scale.contiguous()}
+    raise CheckpointError(f"cannot write {method!r} weights; use int8, int4 or fp8")
+
+
+def quantization_config_for(method: str, lm_head: bool, group: int = INT4_GROUPS[0]) -> dict:
+    """config.json's `quantization_config` for checkpoints `quantize_tensor` wrote."""
+    if method == "fp8":
+        config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                  "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+        return config if lm_head else {**config, "modules_to_not_convert": ["lm_head"]}
+    weights = ({"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"} if method == "int8" else
+               {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group})
+    return {"quant_method": "compressed-tensors", "format": "int-quantized" if method == "int8" else PACKED,
+            "quantization_status": "compressed", "ignore": [] if lm_head else ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None}}}
+
+
+def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed values [rows, cols] -> compressed-tensors' packing (the inverse of `_unpack_int32`)."""
+    per = 32 // bits
+    rows, cols = values.shape
+    unsigned = values.to(torch.int64) + (1 << (bits - 1))
+    unsigned = torch.nn.functional.pad(unsigned, (0, -cols % per)).view(rows, -1, per)
+    words = (unsigned << (torch.arange(per) * bits)).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)

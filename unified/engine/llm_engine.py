@@ -101,7 +101,7 @@ class LLMEngine:
         if device.type == "cpu":
             retain_freed_host_memory()  # steps would otherwise fault their activations in afresh
             cpu_ops.cache_host_allocations()  # those above glibc's 32 MiB heap limit too (builds the kernels now)
-        model.int8_weights, model.int8_head = self._quantization(engine_cfg), engine_cfg.quantize_lm_head
+        model.int8_weights, model.int8_head = self.serves_int8(engine_cfg), engine_cfg.quantize_lm_head
         if self.packs_weights:
             model.pack_weights()
         self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes, accelerator, engine_cfg.image_prefetch,
@@ -142,7 +142,7 @@ class LLMEngine:
         return self.cfg.packed_weights or self.cfg.quantization is not None
 
     @staticmethod
-    def _quantization(cfg) -> bool:
+    def serves_int8(cfg) -> bool:
         """Whether the weights are served as int8 copies; a clear error for a setting that cannot run."""
         if cfg.quantization is None:
             return False

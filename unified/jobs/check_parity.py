@@ -2,13 +2,20 @@
 our model and `transformers` on the same checkpoint and exits non-zero below the thresholds.
 
 A vision-language checkpoint is compared twice: on the text alone, and on the text with two sample photos
-from scikit-image, of different sizes (prepared by the checkpoint's own image processor), in the middle of it."""
+from scikit-image, of different sizes (prepared by the checkpoint's own image processor), in the middle of it.
+
+With `engine.quantization=int8` our side runs the int8 copies the engine would serve (the inference path),
+so the report is the quantized model's cosine against its full-precision source; set `check.min_cosine`
+and `check.max_abs_diff` to the bar that quantization is held to."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from unified.checkpoint import load_model
 from unified.checkpoint.builtin import resolve_model
+from unified.engine.llm_engine import LLMEngine
 from unified.jobs.parity import compare, reference_model
 from unified.runtime import current_layout, start_runtime
 
@@ -30,12 +37,17 @@ def run(cfg) -> None:
     runtime = start_runtime(cfg.device, cfg.parallel, cfg.seed)
     path = resolve_model(cfg.model)
     ours = load_model(path, runtime.device, runtime.dtype)
+    quantized = LLMEngine.serves_int8(cfg.engine)
+    if quantized:
+        ours.model.int8_weights, ours.model.int8_head = True, cfg.engine.quantize_lm_head
+        ours.model.pack_weights()
     reference = reference_model(path, runtime.dtype).to(runtime.device)
     ids = _input_ids(path, cfg.prompt, cfg.check.num_tokens, ours.config.vocab_size).to(runtime.device)
     if ours.config.vision is not None:  # random text must not hold image or video placeholders
         for placeholder in (ours.config.image_token_id, getattr(ours.hf_config, "video_token_id", None)):
             ids = ids.masked_fill(ids == placeholder, 0)
-    reports = {"text": _gathered(compare(ours.model, reference, ids))}
+    with torch.inference_mode() if quantized else contextlib.nullcontext():
+        reports = {"text": _gathered(compare(ours.model, reference, ids))}
     if ours.config.vision is not None:
         images = _sample_images(path)
         with_images = _with_placeholders(ids, ours.config.image_token_id, images.num_tokens)
@@ -47,6 +59,8 @@ def run(cfg) -> None:
         family = ours.config.family
         if ours.config.vision is not None:
             family = f"{ours.config.vision.kind}, {family} text"
+        if quantized:
+            family += f", served as int8{' with the LM head' if cfg.engine.quantize_lm_head else ''}"
         print(f"parity of {path} ({family}, {ids.shape[1]} tokens, {runtime.dtype}, [{layout}] on "
               f"{torch.distributed.get_world_size()} ranks) against transformers:")
         for title, report in reports.items():

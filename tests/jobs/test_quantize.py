@@ -1,0 +1,80 @@
+"""`unified recipe=quantize`: int8 / int4 / fp8 copies of a checkpoint that load as the weights they encode."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from tests.conftest import run_cli
+from unified.checkpoint import load_model
+from unified.checkpoint.quantized import _unpack_int32, pack_int32
+from unified.config.schema import RunConfig
+from unified.errors import UserError
+from unified.jobs import quantize
+
+
+def _cfg(model, output, method, lm_head=False):
+    cfg = OmegaConf.structured(RunConfig(job="quantize", model=str(model), output=str(output)))
+    cfg.engine.quantization, cfg.engine.quantize_lm_head = method, lm_head
+    return cfg
+
+
+def _logits(loaded, ids):
+    with torch.inference_mode():
+        return loaded.model.logits(loaded.model(ids, torch.arange(ids.shape[1])))
+
+
+def test_int4_packing_is_compressed_tensors_layout():
+    """Eight values per int32, lowest bits first, each offset by 8 (checked against compressed-tensors 0.20's
+    own packer when this was written)."""
+    values = torch.tensor([[1, -2, 3, 0, 0, 0, 0, -8, 7, 7, 7, 7, 7, 7, 7, 7]], dtype=torch.int8)
+    word = 9 | 6 << 4 | 11 << 8 | 8 << 12 | 8 << 16 | 8 << 20 | 8 << 24 | 0 << 28
+    assert pack_int32(values, 4).tolist() == [[word, -1]]  # 0xFFFFFFFF: eight 15s
+    assert torch.equal(_unpack_int32(pack_int32(values, 4), 4, (1, 16), "x"), values)
+
+
+def test_the_recipe_writes_int8_that_loads_as_the_engines_int8(runtime, tiny_checkpoint, tmp_path):
+    """The int8 checkpoint (compressed-tensors, channel-wise) computes what the engine's own int8 copies do."""
+    source = tiny_checkpoint("llama")
+    result = run_cli("recipe=quantize", f"model={source}", f"output={tmp_path / 'int8'}", "engine.quantization=int8")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "quantized 21 of" in result.stdout  # 3 layers x 7 projections; the head stays
+    config = json.loads((tmp_path / "int8" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == "int-quantized" and config["ignore"] == ["lm_head"]
+    ids = torch.randint(0, 160, (1, 12), generator=torch.Generator().manual_seed(0))
+    served = load_model(source)
+    served.model.int8_weights = True
+    served.model.pack_weights()
+    torch.testing.assert_close(_logits(load_model(tmp_path / "int8"), ids), _logits(served, ids), rtol=1e-5,
+                               atol=1e-5)
+
+
+@pytest.mark.parametrize("method,family", [("int4", "llama"), ("fp8", "qwen3_moe"), ("fp8", "deepseek_v3")])
+def test_int4_and_fp8_copies_stay_close_to_the_source(runtime, tiny_checkpoint, tmp_path, method, family):
+    source = tiny_checkpoint(family)
+    quantize.run(_cfg(source, tmp_path / method, method, lm_head=True))
+    ids = torch.randint(0, 160, (1, 12), generator=torch.Generator().manual_seed(0))
+    got, want = _logits(load_model(tmp_path / method), ids), _logits(load_model(source), ids)
+    assert torch.nn.functional.cosine_similarity(got, want, dim=-1).min() > (0.99 if method == "fp8" else 0.95)
+
+
+def test_the_recipe_refuses_what_it_cannot_do(runtime, tiny_checkpoint, tmp_path):
+    source = tiny_checkpoint("llama")
+    with pytest.raises(UserError, match="needs engine.quantization=int8|int4|fp8"):
+        quantize.run(_cfg(source, tmp_path / "a", None))
+    with pytest.raises(UserError, match="needs output="):
+        quantize.run(_cfg(source, "", "int8"))
+    quantize.run(_cfg(source, tmp_path / "b", "fp8"))
+    with pytest.raises(UserError, match="already quantized"):
+        quantize.run(_cfg(tmp_path / "b", tmp_path / "c", "int8"))
+    with pytest.raises(UserError, match="not empty"):
+        quantize.run(_cfg(source, tmp_path / "b", "int8"))
+
+
+def test_check_parity_reports_the_int8_model_against_its_source(tiny_checkpoint):
+    result = run_cli("recipe=check_parity", f"model={tiny_checkpoint('qwen3')}", "engine.quantization=int8",
+                     "check.min_cosine=0.99", "check.max_abs_diff=1.0")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "served as int8" in result.stdout and "PASSED" in result.stdout
