@@ -10,7 +10,8 @@ import torch
 from tests.conftest import build_tiny_hf_model
 from tests.engine.conftest import assert_no_block_leaks, generate_all, make_engine, reference_logits
 from unified.checkpoint import load_model
-from unified.config.schema import SpeculativeConfig
+from unified.config.schema import EngineConfig, SpeculativeConfig
+from unified.engine.llm_engine import LLMEngine
 from unified.engine.sampling_params import SamplingParams
 from unified.engine.sequence import Sequence
 from unified.engine.speculative import Speculator, ngram_proposal
@@ -160,6 +161,7 @@ def test_sampled_output_follows_the_target_model_on_a_small_vocabulary(tmp_path,
 def test_speculation_settings_that_cannot_run_are_refused_clearly(tiny_models):
     loaded = tiny_models("llama")
     for spec, words in ((SpeculativeConfig(method="mtp"), "not available yet"),
+                        (SpeculativeConfig(method="draft"), "needs engine.speculative.draft_model"),
                         (SpeculativeConfig(method="medusa"), "unknown"),
                         (SpeculativeConfig(method="ngram", num_tokens=0), "at least 1"),
                         (SpeculativeConfig(method="ngram", prompt_lookup_min=3, prompt_lookup_max=2), "min <= max")):
@@ -232,3 +234,77 @@ def test_the_batch_recipe_takes_the_setting_from_the_command_line(tmp_path, tiny
     assert "speculative decoding: ngram, up to 3 draft tokens per step" in log
     assert int(re.search(r"speculative decoding: (\d+) drafts, mean acceptance length", log).group(1)) > 0
     assert texts[0] == texts[1]
+
+
+
+def _truncated(source, target, layers: int):
+    """A draft for `source`: its first `layers` layers, same embedding, head and tokenizer."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    for path in target.glob("*.safetensors"):
+        path.unlink()
+    tensors = {}
+    for path in sorted(source.glob("*.safetensors")):
+        for name, tensor in load_file(path).items():
+            index = re.search(r"\.layers\.(\d+)\.", name)
+            if index is None or int(index.group(1)) < layers:
+                tensors[name] = tensor
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    if isinstance(config.get("layer_types"), list):  # one entry per layer
+        config["layer_types"] = config["layer_types"][:layers]
+    (target / "config.json").write_text(json.dumps(config))
+    (target / "model.safetensors.index.json").unlink(missing_ok=True)
+    return target
+
+
+def test_a_draft_model_keeps_the_greedy_output_with_preemption_and_n(tiny_checkpoint, runtime, tmp_path):
+    """The target itself as its draft (every draft kept: 5 tokens a step) and a layer-truncated draft (some
+    kept): the non-speculative tokens, no leak in either engine."""
+    path = tiny_checkpoint("qwen3")
+    target = load_model(path)
+    prompts = _repetitive_prompts(target.config.vocab_size, 5)
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, n=1 + i % 2) for i in range(5)]
+    plain = generate_all(make_engine(target, num_blocks=40), prompts, params)
+    for draft_path, least in ((path, 4.5), (_truncated(path, tmp_path / "draft", 1), 1.0)):
+        spec = SpeculativeConfig(method="draft", num_tokens=4, draft_model=str(draft_path))
+        engine = LLMEngine(target.model, None, EngineConfig(num_blocks=40, block_size=4, speculative=spec),
+                           torch.device("cpu"), torch.float32, None, draft_model=load_model(draft_path).model)
+        got = generate_all(engine, prompts, params)
+        assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in plain]
+        assert engine.scheduler.num_preemptions > 0
+        assert engine.speculator.stats.mean_acceptance_length >= least, draft_path
+        assert_no_block_leaks(engine)
+        drafter = engine.speculator.drafter.engine
+        assert not drafter.has_unfinished() and all(b.ref_count == 0 for b in drafter.blocks.blocks)
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(tiny_checkpoint, runtime, tmp_path):
+    build_tiny_hf_model("llama", vocab_size=200).save_pretrained(tmp_path / "other")
+    spec = SpeculativeConfig(method="draft", draft_model=str(tmp_path / "other"))
+    with pytest.raises(UserError, match="vocabulary"):
+        LLMEngine(load_model(tiny_checkpoint("llama")).model, None, EngineConfig(num_blocks=16, speculative=spec),
+                  torch.device("cpu"), torch.float32, None, draft_model=load_model(tmp_path / "other").model)
+
+
+def test_smollm2_with_a_layer_truncated_draft_gives_the_same_greedy_text(runtime, smollm2_checkpoint, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_checkpoint)
+    loaded = load_model(smollm2_checkpoint)
+    prompt = "List the days of the week: Monday, Tuesday, Wednesday,"
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = generate_all(make_engine(loaded, tokenizer, block_size=16), [prompt], params)[0].outputs[0]
+    draft = _truncated(smollm2_checkpoint, tmp_path / "draft", 10)
+    spec = SpeculativeConfig(method="draft", num_tokens=3, draft_model=str(draft))
+    engine = LLMEngine(loaded.model, tokenizer, EngineConfig(num_blocks=64, block_size=16, speculative=spec),
+                       torch.device("cpu"), torch.float32, None, draft_model=load_model(draft).model)
+    got = generate_all(engine, [prompt], params)[0].outputs[0]
+    assert got.token_ids == plain.token_ids and got.text == plain.text
+    assert engine.speculator.stats.num_drafts > 0
+    assert_no_block_leaks(engine)

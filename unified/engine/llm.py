@@ -34,6 +34,9 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
     runtime = start_runtime(device, parallel, seed)
     path = resolve_model(model)
     loaded = load_model(path, runtime.device, runtime.dtype, weights_progress)
+    draft = None
+    if engine.speculative.method == "draft" and engine.speculative.draft_model:
+        draft = load_model(resolve_model(engine.speculative.draft_model), runtime.device, runtime.dtype).model
     if engine.lora_adapter:
         from unified.checkpoint.lora import load_adapter
 
@@ -45,7 +48,7 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
 
         processor = processor_for(path)
     return LLMEngine(loaded.model, tokenizer, engine, runtime.device, runtime.dtype, runtime.accelerator,
-                     eos_ids(tokenizer, path), processor)
+                     eos_ids(tokenizer, path), processor, draft_model=draft)
 
 
 class LLM:

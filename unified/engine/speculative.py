@@ -17,8 +17,11 @@ The K/V written for rejected drafts lie beyond the sequence's computed tokens: t
 them, and blocks held only for them go back to the pool (prefix-cache hashes cover computed tokens only).
 
 Proposers: `ngram` (prompt lookup: the continuation of the latest earlier occurrence of the sequence's
-last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; vLLM's `ngram` method). A separate
-draft model and MTP heads are not built yet.
+last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; vLLM's `ngram` method) and `draft` (a
+smaller model with the same vocabulary continues each sequence greedily; it runs in an engine of its own on
+the driver, whose prefix cache keeps each sequence's context between steps, so a step's drafts cost the new
+tokens' prefill and `num_tokens - 1` decodes of the small model). Both proposals are point masses, so the
+rule above is exact for either. MTP heads are not built yet.
 
 Sequences with repetition, presence or frequency penalties, or processed-mode logprobs, decode one token
 per step (their processing depends on every earlier token, drafts included).
@@ -38,8 +41,8 @@ from unified.errors import UserError
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ngram",)
-NOT_YET = ("draft", "mtp")
+METHODS = ("ngram", "draft")
+NOT_YET = ("mtp",)
 
 
 def check_config(cfg) -> None:
@@ -47,6 +50,9 @@ def check_config(cfg) -> None:
     if cfg.method in NOT_YET:
         raise UserError(f"engine.speculative.method={cfg.method} is not available yet; use "
                         f"engine.speculative.method=ngram, or leave it null")
+    if cfg.method == "draft" and not cfg.draft_model:
+        raise UserError("engine.speculative.method=draft needs engine.speculative.draft_model=<checkpoint folder> "
+                        "(a smaller model with the same tokenizer)")
     if cfg.method not in METHODS:
         raise UserError(f"engine.speculative.method={cfg.method!r} is unknown; use one of {', '.join(METHODS)}, "
                         f"or null for no speculation")
@@ -105,23 +111,29 @@ class SpecDecodeStats:
 class Speculator:
     """Proposes drafts for the running sequences before a step and verifies them after it."""
 
-    def __init__(self, cfg, max_model_len: int):
+    def __init__(self, cfg, max_model_len: int, drafter=None):
+        """`drafter`: the draft model's own engine (method `draft`), whose `propose` continues token lists."""
         check_config(cfg)
-        self.cfg, self.max_model_len = cfg, max_model_len
+        self.cfg, self.max_model_len, self.drafter = cfg, max_model_len, drafter
         self.stats = SpecDecodeStats()
         self._logged_drafts = 0
 
     def propose(self, running: list[Sequence]) -> None:
         """Sets `draft` on each decoding sequence that may take one (room left in max_tokens and the context)."""
-        cfg = self.cfg
+        cfg, wanted = self.cfg, []
         for seq in running:
             seq.draft = []
             if seq.num_computed_tokens != seq.num_tokens - 1 or not speculates(seq.params):
                 continue
             room = min(cfg.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)
-            if room > 0:
+            if room > 0 and self.drafter is None:
                 seq.draft = ngram_proposal(seq.token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, room)
+            elif room > 0:
+                wanted.append((seq, room))
+        if wanted:
+            for (seq, _), draft in zip(wanted, self.drafter.propose([(s.token_ids, room) for s, room in wanted])):
+                seq.draft = draft
 
     def verify(self, seq: Sequence, draft: list[int], rows: torch.Tensor, greedy_tokens: list[int] | None
                ) -> tuple[list[int], list]:
@@ -168,3 +180,27 @@ class Speculator:
             self._logged_drafts = self.stats.num_drafts
             log.info("speculative decoding: %d drafts, mean acceptance length %.2f tokens per step",
                      self.stats.num_drafts, self.stats.mean_acceptance_length)
+
+
+class DraftModel:
+    """Method `draft`: a small model's engine that continues the target's sequences greedily."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def propose(self, contexts: list[tuple[list[int], int]]) -> list[list[int]]:
+        """For each (tokens, count): up to `count` tokens the draft model continues `tokens` with; [] where the
+        context does not fit the draft's engine."""
+        from unified.engine.sampling_params import InvalidRequest
+
+        ids = []
+        for tokens, count in contexts:
+            try:
+                ids.append(self.engine.add_request(tokens, SamplingParams(temperature=0, max_tokens=count,
+                                                                          ignore_eos=True)))
+            except InvalidRequest:
+                ids.append(None)
+        done = {}
+        while self.engine.has_unfinished():
+            done.update((out.request_id, out.outputs[0].token_ids) for out in self.engine.step())
+        return [done.get(i, []) if i is not None else [] for i in ids]
