@@ -27,7 +27,7 @@ from unified.engine.sampler import TokenLogprob, prompt_logprob_entry, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
-from unified.engine.speculative import DraftModel, SpecDecodeStats, Speculator, check_config
+from unified.engine.speculative import SpecDecodeStats, speculator_for
 from unified.engine.trainer_link import COMMANDS as TRAINER_COMMANDS, TrainerLink
 from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
 from unified.errors import UserError
@@ -124,7 +124,7 @@ class LLMEngine:
         if self.max_model_len < context:
             log.warning("the KV cache holds %d tokens, fewer than the %d-token context; sequences stop there",
                         self.max_model_len, context)
-        self.speculator = self._speculator(draft_model, accelerator)
+        self.speculator = speculator_for(self, draft_model, accelerator)
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
         self.weights_version = 0  # how many times update_weights replaced the weights
@@ -154,39 +154,6 @@ class LLMEngine:
                             f"yet: use int8, or load a checkpoint already quantized to it (block-FP8 or "
                             f"compressed-tensors INT4 load as they are)")
         raise UserError(f"engine.quantization={cfg.quantization!r} is unknown; use int8, or null")
-
-    def _speculator(self, draft_model, accelerator) -> Speculator | None:
-        spec = self.cfg.speculative
-        if spec is None or spec.method is None:
-            return None
-        if self.runner.mrope:
-            raise UserError("engine.speculative is not available for models with M-RoPE positions yet; "
-                            "leave engine.speculative.method null")
-        check_config(spec)
-        drafter = None
-        if spec.method == "draft":
-            drafter = DraftModel(self._draft_engine(draft_model, accelerator))
-        log.info("speculative decoding: %s, up to %d draft tokens per step", spec.method, spec.num_tokens)
-        return Speculator(spec, self.max_model_len, drafter)
-
-    def _draft_engine(self, draft_model, accelerator) -> LLMEngine:
-        """The draft model's engine: as many blocks as ours (it holds the same contexts, in fewer bytes), its
-        own prefix cache, no speculation of its own."""
-        if draft_model is None:
-            raise UserError("engine.speculative.method=draft: no draft model was loaded; set "
-                            "engine.speculative.draft_model=<checkpoint folder>")
-        if self.runner.distributed:
-            raise UserError("engine.speculative.method=draft runs on one rank for now; use method=ngram under "
-                            "tensor or pipeline parallelism")
-        if draft_model.config.vocab_size != self.config.vocab_size:
-            raise UserError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the "
-                            f"target's ({self.config.vocab_size}); use a draft model with the same tokenizer")
-        cfg = self.cfg
-        draft_cfg = type(cfg)(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                              max_num_batched_tokens=cfg.max_num_batched_tokens, chunked_prefill=cfg.chunked_prefill,
-                              packed_weights=cfg.packed_weights, num_blocks=self.blocks.num_blocks,
-                              max_model_len=self.max_model_len, enforce_eager=True)
-        return LLMEngine(draft_model, None, draft_cfg, self.device, self.dtype, accelerator)
 
     def _capture_decode_graphs(self, accelerator) -> None:
         cache = self.runner.cache

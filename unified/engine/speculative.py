@@ -204,3 +204,38 @@ class DraftModel:
         while self.engine.has_unfinished():
             done.update((out.request_id, out.outputs[0].token_ids) for out in self.engine.step())
         return [done.get(i, []) if i is not None else [] for i in ids]
+
+
+def speculator_for(engine, draft_model, accelerator) -> Speculator | None:
+    """`engine`'s speculator under its `engine.speculative` config (None when off); `draft_model`: method
+    `draft`'s model, which gets an engine of its own."""
+    spec = engine.cfg.speculative
+    if spec is None or spec.method is None:
+        return None
+    if engine.runner.mrope:
+        raise UserError("engine.speculative is not available for models with M-RoPE positions yet; "
+                        "leave engine.speculative.method null")
+    check_config(spec)
+    drafter = DraftModel(_draft_engine(engine, draft_model, accelerator)) if spec.method == "draft" else None
+    log.info("speculative decoding: %s, up to %d draft tokens per step", spec.method, spec.num_tokens)
+    return Speculator(spec, engine.max_model_len, drafter)
+
+
+def _draft_engine(engine, draft_model, accelerator):
+    """The draft model's engine: as many blocks as the target's (it holds the same contexts, in fewer bytes),
+    its own prefix cache, no speculation of its own."""
+    if draft_model is None:
+        raise UserError("engine.speculative.method=draft: no draft model was loaded; set "
+                        "engine.speculative.draft_model=<checkpoint folder>")
+    if engine.runner.distributed:
+        raise UserError("engine.speculative.method=draft runs on one rank for now; use method=ngram under "
+                        "tensor or pipeline parallelism")
+    if draft_model.config.vocab_size != engine.config.vocab_size:
+        raise UserError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the "
+                        f"target's ({engine.config.vocab_size}); use a draft model with the same tokenizer")
+    cfg = engine.cfg
+    draft_cfg = type(cfg)(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                          max_num_batched_tokens=cfg.max_num_batched_tokens, chunked_prefill=cfg.chunked_prefill,
+                          packed_weights=cfg.packed_weights, num_blocks=engine.blocks.num_blocks,
+                          max_model_len=engine.max_model_len, enforce_eager=True)
+    return type(engine)(draft_model, None, draft_cfg, engine.device, engine.dtype, accelerator)
