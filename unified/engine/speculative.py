@@ -112,8 +112,7 @@ class Speculator:
     """Proposes drafts for the running sequences before a step and verifies them after it."""
 
     def __init__(self, cfg, max_model_len: int, drafter=None):
-        """`drafter`: the draft model's own engine (method `draft`), whose `propose` continues token lists."""
-        check_config(cfg)
+        """`cfg`: a checked engine.speculative (`check_config`); `drafter`: method `draft`'s `DraftModel`."""
         self.cfg, self.max_model_len, self.drafter = cfg, max_model_len, drafter
         self.stats = SpecDecodeStats()
         self._logged_drafts = 0
