@@ -17,6 +17,10 @@ On CPU, in float32 and with no gradient wanted, `linear` avoids F.linear's MKL s
 
 Results differ from F.linear by rounding only. Training (autograd), `kernels.backend=reference` and other
 dtypes and devices use F.linear.
+
+Two more copies an engine may ask for: weight-only int8 (`quantize_int8`, engine.quantization=int8), which
+`linear` uses on any device, streamed by `unified_cpu::int8_linear` for decode-sized steps on CPU; and a tied
+LM head packed in vocabulary chunks (`pack_head`), whose greedy argmax never writes the whole logits out.
 """
 from __future__ import annotations
 
