@@ -25,6 +25,7 @@ import math
 import torch
 
 from unified.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
+from unified.kernels.linear import quantize_int8
 
 FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
 PACKED = "pack-quantized"
@@ -275,9 +276,9 @@ def quantize_tensor(name: str, tensor: torch.Tensor, method: str, group: int = I
     """The tensors a quantized checkpoint stores for weight `name` (see the module docstring for the formats);
     `group`: int4's inputs per scale."""
     w = tensor.float()
-    if method == "int8":  # compressed-tensors int-quantized, one scale per output channel
-        scale = (w.abs().amax(1, keepdim=True) / 127).clamp(min=torch.finfo(torch.float32).tiny)
-        return {name: torch.round(w / scale).clamp_(-127, 127).to(torch.int8), f"{name}_scale": scale}
+    if method == "int8":  # compressed-tensors int-quantized: the engine's own int8, one scale per output channel
+        packed = quantize_int8(w)
+        return {name: packed.tensor, f"{name}_scale": packed.scale}
     if method == "int4":  # compressed-tensors pack-quantized, symmetric, group scales
         rows, cols = w.shape
         grouped = w.view(rows, cols // group, group)

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from unified.engine.sampler import _choose, _draw, _filter, _log_probs, _logprob_entry
-from unified.engine.sampling_params import SamplingParams
+from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.sequence import Sequence
 from unified.errors import UserError
 
@@ -190,8 +190,6 @@ class DraftModel:
     def propose(self, contexts: list[tuple[list[int], int]]) -> list[list[int]]:
         """For each (tokens, count): up to `count` tokens the draft model continues `tokens` with; [] where the
         context does not fit the draft's engine."""
-        from unified.engine.sampling_params import InvalidRequest
-
         ids = []
         for tokens, count in contexts:
             try:
