@@ -14,7 +14,7 @@ from unified.config.schema import EngineConfig, SpeculativeConfig
 from unified.engine.llm_engine import LLMEngine
 from unified.engine.sampling_params import SamplingParams
 from unified.engine.sequence import Sequence
-from unified.engine.speculative import Speculator, ngram_proposal
+from unified.engine.speculative import NgramDrafter, Speculator, ngram_proposal
 from unified.errors import UserError
 
 NGRAM = SpeculativeConfig(method="ngram", num_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -115,7 +115,7 @@ def test_the_rejection_rule_keeps_the_targets_distribution():
                          [0.3, 1.2, 0.1, -0.4, 0.5, 0.0],
                          [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]])
     draft = [3, 1]
-    speculator = Speculator(NGRAM, 1000)
+    speculator = Speculator(NGRAM, 1000, NgramDrafter(NGRAM))
     counts: dict = {}
     draws = 6000
     for seed in range(draws):
@@ -160,7 +160,7 @@ def test_sampled_output_follows_the_target_model_on_a_small_vocabulary(tmp_path,
 
 def test_speculation_settings_that_cannot_run_are_refused_clearly(tiny_models):
     loaded = tiny_models("llama")
-    for spec, words in ((SpeculativeConfig(method="mtp"), "not available yet"),
+    for spec, words in ((SpeculativeConfig(method="mtp"), "no multi-token prediction layer"),
                         (SpeculativeConfig(method="draft"), "needs engine.speculative.draft_model"),
                         (SpeculativeConfig(method="medusa"), "unknown"),
                         (SpeculativeConfig(method="ngram", num_tokens=0), "at least 1"),

@@ -142,6 +142,7 @@ def model_config_from_hf(hf) -> ModelConfig:
         mla=mla,
         moe=_moe(hf, family) if family in MOE else None,
         num_labels=num_labels,
+        num_mtp_layers=(getattr(hf, "num_nextn_predict_layers", 0) or 0) if family == "deepseek_v3" else 0,
     )
 
 

@@ -114,12 +114,27 @@ def parameter_map(cfg: ModelConfig) -> list[Param]:
     elif not cfg.tie_word_embeddings:
         params.append(_single("lm_head.weight", head, 0))
     for i in range(cfg.num_layers):
-        ours, hf = f"layers.{i}.", f"{layer_prefix}{i}."
-        params += [_single(f"{ours}input_norm.weight", f"{hf}input_layernorm.weight"),
-                   _single(f"{ours}post_attn_norm.weight", f"{hf}post_attention_layernorm.weight")]
-        params += (_mla if cfg.mla else _gqa)(cfg, f"{ours}attn.", f"{hf}self_attn.")
-        if cfg.is_moe_layer(i):
-            params += _moe(cfg, f"{ours}mlp.", hf)
-        else:
-            params += _gated_mlp(f"{ours}mlp.", f"{hf}mlp.")
+        params += decoder_layer_params(cfg, i, f"layers.{i}.", f"{layer_prefix}{i}.")
     return params + (vision_params(cfg, Param) if cfg.vision else [])
+
+
+def decoder_layer_params(cfg: ModelConfig, layer: int, ours: str, hf: str) -> list[Param]:
+    """One decoder layer's parameters: ours under the prefix `ours`, HF's under `hf`."""
+    params = [_single(f"{ours}input_norm.weight", f"{hf}input_layernorm.weight"),
+              _single(f"{ours}post_attn_norm.weight", f"{hf}post_attention_layernorm.weight")]
+    params += (_mla if cfg.mla else _gqa)(cfg, f"{ours}attn.", f"{hf}self_attn.")
+    if cfg.is_moe_layer(layer):
+        return params + _moe(cfg, f"{ours}mlp.", hf)
+    return params + _gated_mlp(f"{ours}mlp.", f"{hf}mlp.")
+
+
+def mtp_params(cfg: ModelConfig) -> list[Param]:
+    """The first MTP layer's parameters (unified/model/mtp.py), stored after the model's layers as DeepSeek-V3
+    stores them: `model.layers.<num_layers>.` holds its norms, projection and block (its copies of the
+    embedding and head are not read: the main model's serve)."""
+    _, layer_prefix, _ = text_prefixes(cfg)
+    hf = f"{layer_prefix}{cfg.num_layers}."
+    return [_single("enorm.weight", f"{hf}enorm.weight"), _single("hnorm.weight", f"{hf}hnorm.weight"),
+            _single("eh_proj.weight", f"{hf}eh_proj.weight"),
+            _single("head_norm.weight", f"{hf}shared_head.norm.weight"),
+            *decoder_layer_params(cfg, cfg.num_layers, "block.", hf)]

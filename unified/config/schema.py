@@ -37,7 +37,7 @@ class KernelsConfig:
 @dataclass
 class SpeculativeConfig:
     """Speculative decoding (vLLM's speculative_config; unified/engine/speculative.py)."""
-    method: Optional[str] = None  # None: off | ngram (prompt lookup) | draft (a smaller model); mtp is not built yet
+    method: Optional[str] = None  # None: off | ngram (prompt lookup) | draft (a smaller model) | mtp (the checkpoint's MTP layer)
     num_tokens: int = 4  # draft tokens proposed per sequence and step
     prompt_lookup_min: int = 2  # ngram: the shortest suffix looked up in the sequence's earlier tokens
     prompt_lookup_max: int = 4  # ngram: the longest, tried first

@@ -73,18 +73,20 @@ class CacheShape:
 class KVCache:
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device, kv_cache_dtype: str = "auto", tp_size: int = 1, layers=None):
-        """`layers`: the global indices of the layers this rank runs (a pipeline stage's); None: all."""
+        """`layers`: the global indices of the layers this rank runs (a pipeline stage's, and an MTP layer's
+        after the model's own, see unified/model/mtp.py); None: all of the model's."""
         layers = set(range(config.num_layers) if layers is None else layers)
+        num_layers = max(config.num_layers, max(layers, default=-1) + 1)
         self.bits = kv_bits_of(kv_cache_dtype)
         self.shape = CacheShape.of(config, tp_size)
         self.num_blocks, self.block_size = num_blocks, block_size
         # One block more than the block manager hands out: decode graphs' padding rows write and read it
         self.scratch_block = num_blocks
-        self._layout = (config.num_layers, layers, (num_blocks + 1, block_size), dtype, device)
+        self._layout = (num_layers, layers, (num_blocks + 1, block_size), dtype, device)
         # int4 GQA keys: each layer's centre [heads, dim] fp32, written in place (captured decode graphs read
         # it where it lies), and whether the layer has set it yet
-        self.key_centres: list[torch.Tensor | None] = [None] * config.num_layers
-        self.key_centred = [False] * config.num_layers
+        self.key_centres: list[torch.Tensor | None] = [None] * num_layers
+        self.key_centred = [False] * num_layers
         self.generation = 0  # counts allocations: whatever holds the cache tensors' addresses checks it
         self.bytes_per_token = self.shape.bytes_per_token(len(layers), dtype, self.bits)
         self.allocate()

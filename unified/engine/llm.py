@@ -8,6 +8,7 @@ from __future__ import annotations
 from unified.chat import chat_prompt, content_images
 from unified.checkpoint import load_model
 from unified.checkpoint.builtin import resolve_model
+from unified.checkpoint.mtp import load_mtp_layer
 from unified.config.schema import DeviceConfig, EngineConfig, ParallelConfig, SpeculativeConfig
 from unified.engine.llm_engine import LLMEngine, RequestOutput
 from unified.engine.sampling_params import SamplingParams
@@ -37,6 +38,8 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
     draft = None
     if engine.speculative.method == "draft" and engine.speculative.draft_model:
         draft = load_model(resolve_model(engine.speculative.draft_model), runtime.device, runtime.dtype).model
+    elif engine.speculative.method == "mtp":
+        draft = load_mtp_layer(path, runtime.device, runtime.dtype)
     if engine.lora_adapter:
         from unified.checkpoint.lora import load_adapter
 

@@ -27,7 +27,7 @@ from unified.engine.sampler import TokenLogprob, prompt_logprob_entry, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
-from unified.engine.speculative import SpecDecodeStats, speculator_for
+from unified.engine.speculative import SpecDecodeStats, cache_layers, speculator_for
 from unified.engine.trainer_link import COMMANDS as TRAINER_COMMANDS, TrainerLink
 from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
 from unified.errors import UserError
@@ -115,7 +115,7 @@ class LLMEngine:
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=group)
             num_blocks = int(agreed.item())
         self.runner.cache = KVCache(self.config, num_blocks, engine_cfg.block_size, dtype, device,
-                                    engine_cfg.kv_cache_dtype, self.tp_size, model.stage.layers)
+                                    engine_cfg.kv_cache_dtype, self.tp_size, self._cache_layers)
         self.blocks = BlockManager(num_blocks, engine_cfg.block_size, engine_cfg.prefix_caching)
         self.scheduler = Scheduler(self.blocks, engine_cfg.max_num_seqs, engine_cfg.max_num_batched_tokens,
                                    engine_cfg.chunked_prefill)
@@ -142,6 +142,11 @@ class LLMEngine:
         """Whether the model's matmuls read copies of the weights made for inference (packed, or quantized)."""
         return self.cfg.packed_weights or self.cfg.quantization is not None
 
+    @property
+    def _cache_layers(self) -> list[int]:
+        """The layers whose K/V this rank caches: its stage's, and a drafter's after the model's."""
+        return [*self.model.stage.layers, *cache_layers(self.cfg.speculative, self.config)]
+
     @staticmethod
     def serves_int8(cfg) -> bool:
         """Whether the weights are served as int8 copies; a clear error for a setting that cannot run."""
@@ -158,6 +163,8 @@ class LLMEngine:
     def _capture_decode_graphs(self, accelerator) -> None:
         cache = self.runner.cache
         reason = unsupported_reason(self.model, cache, self.device, accelerator, self.runner.distributed)
+        if self.runner.keeps_hidden:
+            reason = "engine.speculative.method=mtp drafts from every step's hidden states"
         if reason:
             log.info("decode steps run eagerly: %s", reason)
             return
@@ -170,7 +177,7 @@ class LLMEngine:
         if cfg.num_blocks:
             return cfg.num_blocks
         per_token = CacheShape.of(self.config, self.tp_size).bytes_per_token(
-            len(self.model.stage.layers), self.dtype, kv_bits_of(cfg.kv_cache_dtype))
+            len(self._cache_layers), self.dtype, kv_bits_of(cfg.kv_cache_dtype))
         if cfg.kv_cache_bytes:
             budget = cfg.kv_cache_bytes
         else:
@@ -415,6 +422,8 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.propose(self.scheduler.running if choose is sample else [])
         batch = self.scheduler.schedule()
+        if self.speculator is not None:
+            self.speculator.drafter.before_forward(batch)
         outputs: dict[str, RequestOutput] = {}
         greedy = choose is sample and all(_plain_greedy(item.seq.params) for item in batch)
         try:
@@ -460,6 +469,7 @@ class LLMEngine:
             except Exception as err:  # noqa: BLE001 - this request's own failure: end it, step on for the others
                 outputs[request_id] = self._fail(request_id, err)
         if self.speculator is not None:
+            self.speculator.drafter.after_step(batch)
             self.speculator.log_progress()
         return list(outputs.values())
 

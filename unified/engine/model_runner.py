@@ -59,6 +59,8 @@ class ModelRunner:
             on_accelerator if prefetch_images is None else prefetch_images)
         self.side_stream = accelerator.Stream() if self.prefetches and on_accelerator else None
         self.accelerator = accelerator
+        self.keeps_hidden = False  # keep the last step's final hidden states in `hidden` (for an MTP drafter)
+        self.hidden: torch.Tensor | None = None
 
     def prepare(self, batch: list[ScheduledSeq]) -> tuple:
         block_size = self.cache.block_size
@@ -226,6 +228,7 @@ class ModelRunner:
         images = {} if images is None else {"image_embeds": images[0].to(self.device), "image_mask": images[1]}
         with forward_context(PagedAttentionContext(self.cache, meta)):
             hidden = self.model(ids, positions, **images)  # [1, T, H]
+        self.hidden = hidden[0] if self.keeps_hidden else None
         if not sample_rows:
             return hidden.new_empty(0, dtype=torch.long) if greedy else hidden.new_empty(0, 0)
         rows = hidden[0].index_select(0, to_device(sample_rows, torch.long, self.device))

@@ -22,6 +22,10 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens (drafts included)
     draft: list[int] = field(default_factory=list)  # speculative tokens after the sequence's last (speculative.py)
+    first: int = field(init=False)  # the sequence's first position computed this step
+
+    def __post_init__(self):
+        self.first = self.seq.num_computed_tokens
 
     @property
     def samples(self) -> bool:

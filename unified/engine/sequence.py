@@ -38,6 +38,7 @@ class Sequence:
         self.output_counts: dict[int, int] = {}
         self.multimodal = multimodal  # the prompt's images, if any
         self.draft: list[int] = []  # speculative tokens proposed for its next step (see speculative.py)
+        self.proposal: tuple | None = None  # what a drafter keeps between steps for the next draft (mtp.py)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This sequence's own random stream, on the device its logits are on (made at its first draw)."""
@@ -74,5 +75,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_table = []
         self.draft = []
+        self.proposal = None
         self.publishes_blocks = True
         self.status = Status.WAITING

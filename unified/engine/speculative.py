@@ -16,12 +16,13 @@ others). The k + 1 rows of logits then decide how many drafts stand:
 The K/V written for rejected drafts lie beyond the sequence's computed tokens: the next step overwrites
 them, and blocks held only for them go back to the pool (prefix-cache hashes cover computed tokens only).
 
-Proposers: `ngram` (prompt lookup: the continuation of the latest earlier occurrence of the sequence's
-last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; vLLM's `ngram` method) and `draft` (a
+Drafters: `ngram` (prompt lookup: the continuation of the latest earlier occurrence of the sequence's
+last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; vLLM's `ngram` method), `draft` (a
 smaller model with the same vocabulary continues each sequence greedily; it runs in an engine of its own on
 the driver, whose prefix cache keeps each sequence's context between steps, so a step's drafts cost the new
-tokens' prefill and `num_tokens - 1` decodes of the small model). Both proposals are point masses, so the
-rule above is exact for either. MTP heads are not built yet.
+tokens' prefill and `num_tokens - 1` decodes of the small model) and `mtp` (the checkpoint's own
+multi-token prediction layer, unified/engine/mtp.py). Every proposal is a point mass (a greedy choice), so
+the rule above is exact for each.
 
 Sequences with repetition, presence or frequency penalties, or processed-mode logprobs, decode one token
 per step (their processing depends on every earlier token, drafts included).
@@ -34,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from unified.engine.mtp import MTPDrafter
 from unified.engine.sampler import _choose, _draw, _filter, _log_probs, _logprob_entry
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.sequence import Sequence
@@ -41,15 +43,11 @@ from unified.errors import UserError
 
 log = logging.getLogger(__name__)
 
-METHODS = ("ngram", "draft")
-NOT_YET = ("mtp",)
+METHODS = ("ngram", "draft", "mtp")
 
 
 def check_config(cfg) -> None:
     """A clear error for an `engine.speculative` the engine cannot run."""
-    if cfg.method in NOT_YET:
-        raise UserError(f"engine.speculative.method={cfg.method} is not available yet; use "
-                        f"engine.speculative.method=ngram, or leave it null")
     if cfg.method == "draft" and not cfg.draft_model:
         raise UserError("engine.speculative.method=draft needs engine.speculative.draft_model=<checkpoint folder> "
                         "(a smaller model with the same tokenizer)")
@@ -108,30 +106,50 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
+class Drafter:
+    """Proposes drafts for sequences; `before_forward` and `after_step` let it follow the engine's steps."""
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """For each (sequence, room): at most `room` draft tokens (possibly none)."""
+        raise NotImplementedError
+
+    def before_forward(self, batch) -> None:
+        """After scheduling, before the target's forward."""
+
+    def after_step(self, batch) -> None:
+        """After the step's tokens are chosen and appended."""
+
+
+class NgramDrafter(Drafter):
+    def __init__(self, cfg):
+        self.min_n, self.max_n = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        return [ngram_proposal(seq.token_ids, self.min_n, self.max_n, room) for seq, room in wanted]
+
+
 class Speculator:
     """Proposes drafts for the running sequences before a step and verifies them after it."""
 
-    def __init__(self, cfg, max_model_len: int, drafter=None):
-        """`cfg`: a checked engine.speculative (`check_config`); `drafter`: method `draft`'s `DraftModel`."""
+    def __init__(self, cfg, max_model_len: int, drafter: Drafter):
+        """`cfg`: a checked engine.speculative (`check_config`)."""
         self.cfg, self.max_model_len, self.drafter = cfg, max_model_len, drafter
         self.stats = SpecDecodeStats()
         self._logged_drafts = 0
 
     def propose(self, running: list[Sequence]) -> None:
         """Sets `draft` on each decoding sequence that may take one (room left in max_tokens and the context)."""
-        cfg, wanted = self.cfg, []
+        wanted = []
         for seq in running:
             seq.draft = []
             if seq.num_computed_tokens != seq.num_tokens - 1 or not speculates(seq.params):
                 continue
-            room = min(cfg.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
+            room = min(self.cfg.num_tokens, seq.params.max_tokens - seq.num_output_tokens - 1,
                        self.max_model_len - seq.num_tokens - 1)
-            if room > 0 and self.drafter is None:
-                seq.draft = ngram_proposal(seq.token_ids, cfg.prompt_lookup_min, cfg.prompt_lookup_max, room)
-            elif room > 0:
+            if room > 0:
                 wanted.append((seq, room))
         if wanted:
-            for (seq, _), draft in zip(wanted, self.drafter.propose([(s.token_ids, room) for s, room in wanted])):
+            for (seq, _), draft in zip(wanted, self.drafter.propose(wanted)):
                 seq.draft = draft
 
     def verify(self, seq: Sequence, draft: list[int], rows: torch.Tensor, greedy_tokens: list[int] | None
@@ -181,20 +199,19 @@ class Speculator:
                      self.stats.num_drafts, self.stats.mean_acceptance_length)
 
 
-class DraftModel:
+class DraftModel(Drafter):
     """Method `draft`: a small model's engine that continues the target's sequences greedily."""
 
     def __init__(self, engine):
         self.engine = engine
 
-    def propose(self, contexts: list[tuple[list[int], int]]) -> list[list[int]]:
-        """For each (tokens, count): up to `count` tokens the draft model continues `tokens` with; [] where the
-        context does not fit the draft's engine."""
+    def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """[] where the context does not fit the draft's engine."""
         ids = []
-        for tokens, count in contexts:
+        for seq, count in wanted:
             try:
-                ids.append(self.engine.add_request(tokens, SamplingParams(temperature=0, max_tokens=count,
-                                                                          ignore_eos=True)))
+                ids.append(self.engine.add_request(seq.token_ids, SamplingParams(temperature=0, max_tokens=count,
+                                                                                 ignore_eos=True)))
             except InvalidRequest:
                 ids.append(None)
         done = {}
@@ -203,9 +220,14 @@ class DraftModel:
         return [done.get(i, []) if i is not None else [] for i in ids]
 
 
+def cache_layers(spec, config) -> list[int]:
+    """Cache layers a drafter adds after the model's own (method `mtp`: its layer's)."""
+    return [config.num_layers] if spec is not None and spec.method == "mtp" else []
+
+
 def speculator_for(engine, draft_model, accelerator) -> Speculator | None:
     """`engine`'s speculator under its `engine.speculative` config (None when off); `draft_model`: method
-    `draft`'s model, which gets an engine of its own."""
+    `draft`'s model, which gets an engine of its own, or method `mtp`'s MTP layer."""
     spec = engine.cfg.speculative
     if spec is None or spec.method is None:
         return None
@@ -213,7 +235,19 @@ def speculator_for(engine, draft_model, accelerator) -> Speculator | None:
         raise UserError("engine.speculative is not available for models with M-RoPE positions yet; "
                         "leave engine.speculative.method null")
     check_config(spec)
-    drafter = DraftModel(_draft_engine(engine, draft_model, accelerator)) if spec.method == "draft" else None
+    if spec.method == "ngram":
+        drafter = NgramDrafter(spec)
+    elif engine.runner.distributed:
+        raise UserError(f"engine.speculative.method={spec.method} runs on one rank for now; use method=ngram "
+                        f"under tensor, pipeline or expert parallelism")
+    elif spec.method == "draft":
+        drafter = DraftModel(_draft_engine(engine, draft_model, accelerator))
+    else:
+        if not engine.config.num_mtp_layers or draft_model is None:
+            raise UserError("engine.speculative.method=mtp: the model has no multi-token prediction layer loaded "
+                            "(DeepSeek-V3 / Kimi-K2 style checkpoints ship one: num_nextn_predict_layers); use "
+                            "method=ngram or draft")
+        drafter = MTPDrafter(draft_model, engine.model, engine.runner, engine.packs_weights)
     log.info("speculative decoding: %s, up to %d draft tokens per step", spec.method, spec.num_tokens)
     return Speculator(spec, engine.max_model_len, drafter)
 
@@ -224,9 +258,6 @@ def _draft_engine(engine, draft_model, accelerator):
     if draft_model is None:
         raise UserError("engine.speculative.method=draft: no draft model was loaded; set "
                         "engine.speculative.draft_model=<checkpoint folder>")
-    if engine.runner.distributed:
-        raise UserError("engine.speculative.method=draft runs on one rank for now; use method=ngram under "
-                        "tensor or pipeline parallelism")
     if draft_model.config.vocab_size != engine.config.vocab_size:
         raise UserError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the "
                         f"target's ({engine.config.vocab_size}); use a draft model with the same tokenizer")

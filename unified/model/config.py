@@ -102,6 +102,7 @@ class ModelConfig:
     image_token_id: int | None = None  # the placeholder token that image features replace
     mrope_section: list[int] | None = None  # Qwen M-RoPE: rotary frequencies per (t, h, w) axis
     num_labels: int | None = None  # a sequence classifier (reward model): `score` head of this many outputs, no LM head
+    num_mtp_layers: int = 0  # multi-token prediction layers stored after the model's (DeepSeek-V3: 1); see model/mtp.py
 
     def is_moe_layer(self, layer: int) -> bool:
         return self.moe is not None and layer not in self.moe.dense_layers
