@@ -6,6 +6,7 @@ starts cold; CLI tests run in subprocesses that inherit it through UNIFIED_CACHE
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import subprocess
@@ -71,6 +72,34 @@ def build_tiny_hf_model(family: str, seed: int = 0, auto_class: str = "AutoModel
             elif name.endswith((".bias", "e_score_correction_bias")):
                 tensor.copy_(0.1 * torch.randn_like(tensor))
     return model
+
+
+def build_mtp_checkpoint(path: Path, layers: int = 2, seed: int = 0, tokenizer_from: Path | None = None) -> Path:
+    """A tiny DeepSeek-V3 of `layers` layers with one MTP layer stored after them, as DeepSeek-V3 ships it
+    (the block of a model one layer deeper, its own norms and projection, copies of embedding and head);
+    with `tokenizer_from`'s tokenizer (and vocabulary size) if given."""
+    from safetensors.torch import load_file, save_file
+
+    vocab = {"vocab_size": 49152} if tokenizer_from else {}
+    model = build_tiny_hf_model("deepseek_v3", seed=seed, num_hidden_layers=layers + 1, **vocab)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json") if tokenizer_from else ():
+        shutil.copy(tokenizer_from / name, path / name)
+    tensors = load_file(path / "model.safetensors")
+    hidden = model.config.hidden_size
+    g = torch.Generator().manual_seed(seed + 1)
+    prefix = f"model.layers.{layers}."
+    tensors |= {f"{prefix}enorm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
+                f"{prefix}hnorm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
+                f"{prefix}eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=g),
+                f"{prefix}shared_head.norm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
+                f"{prefix}embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                f"{prefix}shared_head.head.weight": tensors["lm_head.weight"].clone()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config |= {"num_hidden_layers": layers, "num_nextn_predict_layers": 1}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,10 @@
 """Speculative decoding with a checkpoint's multi-token prediction layer (engine.speculative.method=mtp)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from tests.conftest import build_tiny_hf_model
+from tests.conftest import build_mtp_checkpoint
 from tests.engine.conftest import assert_no_block_leaks, generate_all
 from unified.checkpoint import load_model
 from unified.checkpoint.mtp import load_mtp_layer
@@ -17,28 +14,6 @@ from unified.engine.llm_engine import LLMEngine
 from unified.engine.sampling_params import SamplingParams
 
 MTP = SpeculativeConfig(method="mtp", num_tokens=3)
-
-
-def build_mtp_checkpoint(path, layers: int = 2, seed: int = 0):
-    """A tiny DeepSeek-V3 of `layers` layers with one MTP layer stored after them, as DeepSeek-V3 ships it
-    (the block of a model one layer deeper, its own norms and projection, copies of embedding and head)."""
-    model = build_tiny_hf_model("deepseek_v3", seed=seed, num_hidden_layers=layers + 1)
-    model.save_pretrained(path)
-    tensors = load_file(path / "model.safetensors")
-    hidden = model.config.hidden_size
-    g = torch.Generator().manual_seed(seed + 1)
-    prefix = f"model.layers.{layers}."
-    tensors |= {f"{prefix}enorm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
-                f"{prefix}hnorm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
-                f"{prefix}eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden, generator=g),
-                f"{prefix}shared_head.norm.weight": 1 + 0.2 * torch.randn(hidden, generator=g),
-                f"{prefix}embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
-                f"{prefix}shared_head.head.weight": tensors["lm_head.weight"].clone()}
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((path / "config.json").read_text())
-    config |= {"num_hidden_layers": layers, "num_nextn_predict_layers": 1}
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, build_tiny_chat_checkpoint, run_cli
+from tests.conftest import ROOT, build_mtp_checkpoint, build_tiny_chat_checkpoint, run_cli
 from tests.engine.conftest import greedy_answer
 from tests.serve.conftest import free_port
 
@@ -163,6 +163,28 @@ def test_speculative_decoding_under_tensor_parallel_keeps_the_greedy_tokens(tiny
     reference, split = _batch_logprobs(tmp_path / "one.jsonl"), _batch_logprobs(out)
     for request_id, entries in reference.items():
         assert [e["token_id"] for e in split[request_id]] == [e["token_id"] for e in entries]
+
+
+
+def test_mtp_drafts_under_tensor_parallel_keep_the_greedy_tokens(smollm2_checkpoint, tmp_path):
+    """A DeepSeek-V3 with an MTP layer, its drafts made on two tensor-parallel ranks: one rank's tokens."""
+    model = build_mtp_checkpoint(tmp_path / "mtp", tokenizer_from=smollm2_checkpoint)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Item {i}: " + "alpha beta " * (2 + 3 * i),
+                                           "max_tokens": 14, "temperature": 0, "logprobs": 1, "ignore_eos": True})
+                               + "\n" for i in range(4)))
+    common = (f"model={model}", f"input={prompts}", "engine.num_blocks=64", "engine.block_size=4")
+    single = run_cli("recipe=batch", *common, f"output={tmp_path / 'one.jsonl'}")
+    assert single.returncode == 0, single.stderr[-3000:]
+    out = tmp_path / "tp2.jsonl"
+    result = launch("deepspeed", "recipe=batch", *common, f"output={out}", "parallel=tp2",
+                    "engine.speculative.method=mtp", "engine.speculative.num_tokens=3")
+    drafts = re.search(r"speculative decoding: (\d+) drafts, mean acceptance length", result.stdout + result.stderr)
+    assert drafts and int(drafts.group(1)) > 0
+    reference, split = _batch_logprobs(tmp_path / "one.jsonl"), _batch_logprobs(out)
+    for request_id, entries in reference.items():
+        assert [e["token_id"] for e in split[request_id]] == [e["token_id"] for e in entries]
+
 
 def test_serving_on_two_ranks_reports_collectives_reloads_weights_and_stops_cleanly(
         tiny_mqa_checkpoint, smollm2_checkpoint, tmp_path, runtime):

@@ -22,6 +22,7 @@ from unified.engine.block_manager import BlockManager
 from unified.engine.decode_graphs import DecodeGraphs, unsupported_reason
 from unified.engine.kv_cache import CacheShape, KVCache, kv_bits_of
 from unified.engine.model_runner import ImagesFailed, ModelRunner
+from unified.engine.mtp import MTPForward
 from unified.engine.multimodal import MultimodalPrompt, multimodal_prompt
 from unified.engine.sampler import TokenLogprob, prompt_logprob_entry, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
@@ -254,6 +255,9 @@ class LLMEngine:
     def _follow_command(self, command) -> None:
         if isinstance(command, TRAINER_COMMANDS):
             self.link.follow(command)
+            return
+        if isinstance(command, MTPForward):
+            self.speculator.drafter.run(command)
             return
         try:
             staged, error = stage_weights(command.path, self.model, self.dtype), None

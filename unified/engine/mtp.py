@@ -19,6 +19,7 @@ token differs would have computed otherwise; and a finished sequence's last posi
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -59,11 +60,11 @@ class MTPDrafter:
         for j in range(1, max((len(item.draft) for item in chains), default=0)):
             chains = [item for item in chains if len(item.draft) > j]
             positions = [item.seq.num_tokens - 2 + j for item in chains]
-            previous = torch.stack([hidden[id(item)] for item in chains])
-            out = self._forward([item.draft[j - 1] for item in chains], previous,
-                                [range(p, p + 1) for p in positions], [item.seq.block_table for item in chains])
-            normed = self.layer.head_norm(out)
-            for item, token, row in zip(chains, self.model.greedy_tokens(normed).tolist(), normed):
+            tokens, normed = self._drafts(MTPForward(
+                [item.draft[j - 1] for item in chains], [range(p, p + 1) for p in positions],
+                [item.seq.block_table for item in chains], list(range(len(chains))),
+                previous=torch.stack([hidden[id(item)] for item in chains]).cpu()))
+            for item, token, row in zip(chains, tokens, normed):
                 item.draft[j], hidden[id(item)] = token, row
 
     @torch.inference_mode()
@@ -71,7 +72,6 @@ class MTPDrafter:
         """Runs the layer over the positions each sequence's step made final; a decoding sequence's last one
         gives its next first draft, kept in `Sequence.proposal` as (its token count then, the draft token, the
         layer's normed output there)."""
-        hidden = self.runner.hidden  # [T, H]: the main model's final hidden states at the step's tokens
         ids, rows, spans, owners = [], [], [], []
         offset = 0
         for item in batch:
@@ -86,26 +86,49 @@ class MTPDrafter:
             offset += item.num_new_tokens
         if not owners:
             return
-        out = self._forward(ids, hidden.index_select(0, to_device(rows, torch.long, hidden.device)), spans,
-                            [seq.block_table for seq in owners])
-        ends = itertools.accumulate(map(len, spans))
-        last = self.layer.head_norm(out.index_select(0, to_device([end - 1 for end in ends], torch.long, out.device)))
-        for seq, token, row in zip(owners, self.model.greedy_tokens(last).tolist(), last):
+        last = [end - 1 for end in itertools.accumulate(map(len, spans))]
+        tokens, normed = self._drafts(MTPForward(ids, spans, [seq.block_table for seq in owners], last,
+                                                 hidden_rows=rows))
+        for seq, token, row in zip(owners, tokens, normed):
             if seq.num_computed_tokens == seq.num_tokens - 1:
                 seq.proposal = (seq.num_tokens, token, row)
 
-    def _forward(self, ids: list[int], previous: torch.Tensor, spans: list[range], tables: list[list[int]]
-                 ) -> torch.Tensor:
-        """The layer over each sequence's run of positions (`spans`, one per block table; `ids` and `previous`
-        [T, H] flattened in their order): [T, H]."""
-        device, size = self.runner.device, self.runner.cache.block_size
+    def _drafts(self, command: "MTPForward") -> tuple[list[int], torch.Tensor]:
+        """On the driver: `run`s the command on every rank of the engine."""
+        if self.runner.distributed:
+            self.runner.command(command)
+        return self.run(command)
+
+    @torch.inference_mode()
+    def run(self, command: "MTPForward") -> tuple[list[int], torch.Tensor]:
+        """The layer over each sequence's run of positions: the next tokens at the `last` rows, and the
+        layer's normed output there [len(last), H]. Every rank of the engine runs it (its shard)."""
+        runner, device, size = self.runner, self.runner.device, self.runner.cache.block_size
+        spans, tables = command.spans, command.tables
+        if command.hidden_rows is not None:  # the main model's final hidden states at the step's tokens
+            previous = runner.hidden.index_select(0, to_device(command.hidden_rows, torch.long, device))
+        else:
+            previous = command.previous.to(device)
         slots = [table[p // size] * size + p % size for span, table in zip(spans, tables) for p in span]
-        starts = list(itertools.accumulate(map(len, spans), initial=0))
         width = max(map(len, tables))
         meta = StepMetadata(to_device(slots, torch.long, device),
                             to_device([t + [0] * (width - len(t)) for t in tables], torch.long, device),
-                            starts, [span[-1] + 1 for span in spans])
-        with forward_context(PagedAttentionContext(self.runner.cache, meta)):
-            embeds = self.model.embed(to_device([ids], torch.long, device))
+                            list(itertools.accumulate(map(len, spans), initial=0)), [span[-1] + 1 for span in spans])
+        with forward_context(PagedAttentionContext(runner.cache, meta)):
+            embeds = self.model.embed(to_device([command.ids], torch.long, device))
             positions = to_device([[p for span in spans for p in span]], torch.long, device)
-            return self.layer(embeds, previous.unsqueeze(0), positions, self.model.rope)[0]
+            out = self.layer(embeds, previous.unsqueeze(0), positions, self.model.rope)[0]  # [T, H]
+        normed = self.layer.head_norm(out.index_select(0, to_device(command.last, torch.long, device)))
+        return self.model.greedy_tokens(normed).tolist(), normed
+
+
+@dataclass
+class MTPForward:
+    """One pass of the MTP layer, which the driver sends to every rank of a multi-rank engine."""
+
+    ids: list[int]  # the tokens, flattened over the sequences' spans
+    spans: list[range]  # each sequence's positions
+    tables: list[list[int]]  # each sequence's block table
+    last: list[int]  # the rows whose next tokens are wanted
+    hidden_rows: list[int] | None = None  # the rows of the last step's hidden states the positions take, or
+    previous: torch.Tensor | None = None  # the rows themselves [T, H], on the host

@@ -237,9 +237,12 @@ def speculator_for(engine, draft_model, accelerator) -> Speculator | None:
     check_config(spec)
     if spec.method == "ngram":
         drafter = NgramDrafter(spec)
-    elif engine.runner.distributed:
-        raise UserError(f"engine.speculative.method={spec.method} runs on one rank for now; use method=ngram "
-                        f"under tensor, pipeline or expert parallelism")
+    elif spec.method == "draft" and engine.runner.distributed:
+        raise UserError("engine.speculative.method=draft runs on one rank for now; use method=ngram or mtp "
+                        "under tensor, pipeline or expert parallelism")
+    elif spec.method == "mtp" and engine.model.stage.size > 1:
+        raise UserError("engine.speculative.method=mtp does not run under pipeline parallelism yet; use "
+                        "tensor or expert parallelism, or method=ngram")
     elif spec.method == "draft":
         drafter = DraftModel(_draft_engine(engine, draft_model, accelerator))
     else:
