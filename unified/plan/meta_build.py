@@ -29,3 +29,22 @@ def held_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of the model's parameters and of its buffers, as built (meta tensors count their shapes)."""
     return {"parameters": sum(p.numel() * p.element_size() for p in model.parameters()),
             "buffers": sum(b.numel() * b.element_size() for b in model.buffers())}
+
+
+def planned_bytes(config: ModelConfig, layout: Layout, stage: int, dtype: torch.dtype) -> dict[str, int]:
+    """The plan's count of the same rank's parameter and buffer bytes (unified.plan.inventory)."""
+    from unified.plan.inventory import Place, rank_tensors
+
+    out = {"parameters": 0, "buffers": 0}
+    for t in rank_tensors(config, Place(layout, stage)):
+        out["buffers" if t.buffer else "parameters"] += t.numel * (4 if t.float32 else dtype.itemsize)
+    return out
+
+
+def check_against_plan(config: ModelConfig, layout: Layout, dtype: torch.dtype) -> list[dict]:
+    """For the last rank of every pipeline stage: the meta-built bytes beside the plan's."""
+    rows = []
+    for stage in range(layout.pipeline):
+        built = held_bytes(build_rank(config, layout, dtype, layout.tensor - 1, stage, layout.expert - 1))
+        rows.append({"stage": stage, "built": built, "planned": planned_bytes(config, layout, stage, dtype)})
+    return rows
