@@ -18,7 +18,7 @@ from unified.model.config import ModelConfig
 from unified.plan.hardware import HardwareConfig, load_hardware
 from unified.plan.rank_memory import DTYPES, Setting, kv_bytes_per_token, serve_breakdowns, stage_tensors, train_breakdown
 from unified.plan.throughput import decode_tokens_per_s, train_tokens_per_s
-from unified.plan.weight_bytes import stored_bytes
+from unified.plan.weight_bytes import packed_rows_multiple, stored_bytes
 from unified.runtime.layout import Layout, layout_problems
 
 KV_DTYPES = ("auto", "int8", "int4")
@@ -100,13 +100,13 @@ def setting_for(cfg, hardware: HardwareConfig, context: int | None = None) -> Se
                         f"compute dtype: use plan.weights=auto with plan.mode=train")
     cpu = hardware.kind == "cpu"
     budget = hardware.memory_bytes // p.cards if cpu else hardware.memory_bytes
-    head_chunk = 0
+    head_chunk, panel = 0, 1
     if cpu:
         from unified.kernels.linear import head_chunk_size
 
-        head_chunk = head_chunk_size()
+        head_chunk, panel = head_chunk_size(), packed_rows_multiple()
     return Setting(p.mode, DTYPES[dtype_name], p.weights, context or 0, budget, hardware.reserve_bytes, cpu,
-                   p.expert_load, cfg.engine, cfg.train, head_chunk)
+                   p.expert_load, cfg.engine, cfg.train, head_chunk, panel)
 
 
 def default_context(cfg, config: ModelConfig) -> int:

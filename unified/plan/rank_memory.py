@@ -41,6 +41,7 @@ class Setting:
     engine: object  # EngineConfig
     train: object  # TrainConfig
     head_chunk: int = 0  # CPU: vocabulary rows per chunk of a packed tied head
+    panel: int = 1  # CPU: the output features a packed float32 copy rounds up to
 
 
 @functools.lru_cache(maxsize=4096)
@@ -79,7 +80,7 @@ def _weights(config: ModelConfig, tensors: tuple[RankTensor, ...], s: Setting, s
         int8 = s.engine.quantization == "int8"
         parts["engine_copies"] = engine_copy_bytes(list(tensors), s.cpu and s.dtype == torch.float32,
                                                    s.engine.packed_weights or s.engine.quantization is not None,
-                                                   int8, s.engine.quantize_lm_head, tied, s.head_chunk)
+                                                   int8, s.engine.quantize_lm_head, tied, s.head_chunk, s.panel)
     return parts
 
 

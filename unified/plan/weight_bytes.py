@@ -17,12 +17,16 @@ dequantizes them at load today, so only `auto` is what it allocates.
 The engine's own copies (unified/engine/llm_engine.py, unified/kernels/linear.py), under `auto` only: with
 engine.quantization=int8 an int8 copy (+ a float32 scale per row) of every tensor-parallel linear (the LM head
 with engine.quantize_lm_head), beside the full-precision weights, which stay; on CPU in float32 with
-engine.packed_weights (or quantization) a packed copy of every other tensor-parallel linear, in panels of 16
-output features (features past the last panel padded with zeros), and of a tied head in vocabulary chunks.
+engine.packed_weights (or quantization) a packed copy of every other tensor-parallel linear and of a tied head
+in vocabulary chunks: on AVX2 hosts in panels of 16 output features (the last panel padded with zeros),
+elsewhere in oneDNN's blocked layout, counted at the weight's own size as the engine counts it.
 """
 from __future__ import annotations
 
 import math
+import os
+
+import torch
 
 from unified.errors import UserError
 from unified.plan.inventory import HEAD, PROJECTION, RankTensor
@@ -31,6 +35,13 @@ WEIGHT_FORMATS = ("auto", "fp8", "int8", "int4")
 FP8_BLOCK = 128
 INT4_GROUPS = (128, 64, 32)
 PANEL = 16  # output features per panel of unified_cpu::pack_panels
+
+
+def packed_rows_multiple() -> int:
+    """Output features a CPU packed copy rounds up to: PANEL where the engine packs panels (AVX2 builds of
+    the C++ kernels, unified/kernels/linear.py), 1 for oneDNN's layout elsewhere."""
+    panels = torch.backends.cpu.get_cpu_capability() == "AVX2" and os.environ.get("UNIFIED_CPU_KERNELS", "1") != "0"
+    return PANEL if panels else 1
 
 
 def _matrices(t: RankTensor) -> tuple[int, int, int]:
@@ -80,10 +91,11 @@ def weight_bytes(tensors: list[RankTensor], dtype_bytes: int, fmt: str = "auto",
 
 
 def engine_copy_bytes(tensors: list[RankTensor], cpu_float32: bool, packed_weights: bool, int8: bool,
-                      quantize_lm_head: bool, tied_head: tuple[int, int] | None = None, head_chunk: int = 0) -> int:
+                      quantize_lm_head: bool, tied_head: tuple[int, int] | None = None, head_chunk: int = 0,
+                      panel: int = PANEL) -> int:
     """Bytes of the copies the engine packs beside the weights (see the module docstring). `tied_head`: this
     rank's [rows, columns] of a tied embedding used as the head (None: none here), packed in chunks of
-    `head_chunk` rows."""
+    `head_chunk` rows; `panel`: the output features a float32 copy rounds up to (packed_rows_multiple)."""
     if not (packed_weights or int8):
         return 0
     total = 0
@@ -91,16 +103,16 @@ def engine_copy_bytes(tensors: list[RankTensor], cpu_float32: bool, packed_weigh
         if not t.packable:
             continue
         rows, cols = t.shape
-        total += _copy_bytes(rows, cols, int8 and (t.kind != HEAD or quantize_lm_head), cpu_float32)
+        total += _copy_bytes(rows, cols, int8 and (t.kind != HEAD or quantize_lm_head), cpu_float32, panel)
     if tied_head is not None:
         vocab, cols = tied_head
         chunk = head_chunk or vocab
         for start in range(0, vocab, chunk):
-            total += _copy_bytes(min(chunk, vocab - start), cols, int8 and quantize_lm_head, cpu_float32)
+            total += _copy_bytes(min(chunk, vocab - start), cols, int8 and quantize_lm_head, cpu_float32, panel)
     return total
 
 
-def _copy_bytes(rows: int, cols: int, int8: bool, cpu_float32: bool) -> int:
+def _copy_bytes(rows: int, cols: int, int8: bool, cpu_float32: bool, panel: int) -> int:
     if int8:
         return rows * cols + rows * 4
-    return math.ceil(rows / PANEL) * PANEL * cols * 4 if cpu_float32 else 0
+    return math.ceil(rows / panel) * panel * cols * 4 if cpu_float32 else 0
