@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from unified.checkpoint.shipped import model_config_of
-from unified.plan.inventory import Place, rank_tensors
+from unified.plan.inventory import Stage, rank_tensors
 from unified.plan.meta_build import build_rank, held_bytes, planned_bytes
 from unified.runtime.layout import Layout, layout_problems
 
@@ -28,14 +28,14 @@ def test_meta_build_bytes_equal_the_plan(name, layout, cards):
         assert all(p.is_meta for p in model.parameters())
         assert held_bytes(model) == planned_bytes(config, layout, stage, torch.bfloat16), (name, layout, stage)
         built = {n: tuple(t.shape) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-        assert built == {t.name: t.shape for t in rank_tensors(config, Place(layout, stage))}
+        assert built == {t.name: t.shape for t in rank_tensors(config, Stage(layout, stage))}
 
 
 def test_a_rank_holds_its_share():
     config = model_config_of("kimi-k2")
     whole = held_bytes(build_rank(config, Layout()))["parameters"]
     rank = held_bytes(build_rank(config, Layout(tensor=1, pipeline=1, expert=8)))["parameters"]
-    experts = sum(t.numel for t in rank_tensors(config, Place(Layout())) if t.name.endswith(("gate_up", "down")))
+    experts = sum(t.numel for t in rank_tensors(config, Stage(Layout())) if t.name.endswith(("gate_up", "down")))
     assert whole - rank == experts * 7 // 8 * 2  # bf16: 7/8 of the routed experts live on the other ranks
 
 

@@ -9,7 +9,7 @@ from unified.checkpoint.quantized import quantize_tensor
 from unified.engine.kv_cache import KVCache
 from unified.model.transformer import CausalLM
 from unified.plan.hardware import load_hardware
-from unified.plan.inventory import PROJECTION, Place, RankTensor, rank_tensors
+from unified.plan.inventory import PROJECTION, RankTensor, Stage, rank_tensors
 from unified.plan.planner import setting_for
 from unified.plan.rank_memory import serve_breakdowns
 from unified.plan.weight_bytes import engine_copy_bytes, packed_rows_multiple, stored_bytes, weight_bytes
@@ -44,7 +44,7 @@ def test_weights_are_the_model_s_parameters(tiny_checkpoint, runtime):
     config = model_config_from_hf(read_hf_config(tiny_checkpoint("qwen2_moe")))
     model = CausalLM(config, torch.float32)
     held = sum(p.numel() * p.element_size() for p in [*model.parameters(), *model.buffers()])
-    assert weight_bytes(rank_tensors(config, Place(Layout())), 4)["weights"] == held
+    assert weight_bytes(rank_tensors(config, Stage(Layout())), 4)["weights"] == held
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])  # tied head, and a head of its own
@@ -60,7 +60,7 @@ def test_engine_copies_are_what_pack_weights_makes(tiny_checkpoint, runtime, fam
     model.int8_weights, model.int8_head = int8, int8_head
     model.pack_weights()
     made = model.unpack_weights()
-    tensors = rank_tensors(config, Place(Layout()))
+    tensors = rank_tensors(config, Stage(Layout()))
     tied = next(t.shape for t in tensors if t.name == "embed.weight") if config.tie_word_embeddings else None
     assert made == engine_copy_bytes(tensors, True, True, int8, int8_head, tied, head_chunk_size(),
                                      packed_rows_multiple())

@@ -6,12 +6,12 @@ import pytest
 from unified.checkpoint.builtin import resolve_model
 from unified.checkpoint.shipped import config_only_names, model_config_of
 from unified.errors import UserError
-from unified.plan.inventory import Place, rank_tensors
+from unified.plan.inventory import Stage, rank_tensors
 from unified.runtime.layout import Layout
 
 
 def _parameters(config) -> int:
-    return sum(t.numel for t in rank_tensors(config, Place(Layout())) if not t.buffer)
+    return sum(t.numel for t in rank_tensors(config, Stage(Layout())) if not t.buffer)
 
 
 def test_shipped_names():
@@ -38,7 +38,7 @@ def test_configs_read_without_weights(name, heads, experts, dense, vocab, low, h
 
 def test_kimi_k2_count_matches_the_released_checkpoint():
     config = model_config_of("kimi-k2")
-    score_biases = sum(t.numel for t in rank_tensors(config, Place(Layout())) if t.name.endswith("score_bias"))
+    score_biases = sum(t.numel for t in rank_tensors(config, Stage(Layout())) if t.name.endswith("score_bias"))
     # the released safetensors' parameter count (its e_score_correction_bias tensors are buffers here)
     assert _parameters(config) + score_biases == 1_026_408_232_448
 

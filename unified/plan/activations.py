@@ -102,7 +102,7 @@ def train_step_bytes(c: ModelConfig, layers: range, batch: int, seq_len: int, s:
     h_sp = h // s.tp if sequence_parallel else h
 
     def layer_saved(layer: int) -> int:
-        norms = 3 * t * h_sp  # the layer's input and the two norms' outputs (their inputs are those or sums kept anyway)
+        norms = 3 * t * h_sp  # the layer's input and the two norms' outputs (their inputs are those, or kept sums)
         return (norms + _attention_train(c, t, s)) * d + _mlp(c, layer, t, s, d, expert_load, True)
 
     distinct = _distinct(c, layers)

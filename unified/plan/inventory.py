@@ -44,7 +44,7 @@ class RankTensor:
 
 
 @dataclass(frozen=True)
-class Place:
+class Stage:
     """One rank's coordinates in a layout, as far as what it holds depends on them."""
 
     layout: Layout
@@ -59,7 +59,7 @@ class Place:
         return self.stage == self.layout.pipeline - 1
 
 
-def rank_tensors(config: ModelConfig, place: Place) -> list[RankTensor]:
+def rank_tensors(config: ModelConfig, place: Stage) -> list[RankTensor]:
     """Every parameter and buffer the rank at `place` holds."""
     layout, tp = place.layout, place.layout.tensor
     tied, classifier = config.tie_word_embeddings, config.num_labels is not None

@@ -33,10 +33,10 @@ def held_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 def planned_bytes(config: ModelConfig, layout: Layout, stage: int, dtype: torch.dtype) -> dict[str, int]:
     """The plan's count of the same rank's parameter and buffer bytes (unified.plan.inventory)."""
-    from unified.plan.inventory import Place, rank_tensors
+    from unified.plan.inventory import Stage, rank_tensors
 
     out = {"parameters": 0, "buffers": 0}
-    for t in rank_tensors(config, Place(layout, stage)):
+    for t in rank_tensors(config, Stage(layout, stage)):
         out["buffers" if t.buffer else "parameters"] += t.numel * (4 if t.float32 else dtype.itemsize)
     return out
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from unified.errors import UserError
 from unified.model.config import ModelConfig
 from unified.plan.hardware import HardwareConfig, load_hardware
-from unified.plan.rank_memory import DTYPES, Setting, kv_bytes_per_token, serve_breakdowns, stage_tensors, train_breakdown
+from unified.plan.rank_memory import (DTYPES, Setting, kv_bytes_per_token, serve_breakdowns, stage_tensors,
+                                      train_breakdown)
 from unified.plan.throughput import decode_tokens_per_s, train_tokens_per_s
 from unified.plan.weight_bytes import packed_rows_multiple, stored_bytes
 from unified.runtime.layout import Layout, layout_problems

@@ -18,7 +18,7 @@ from unified.engine.kv_cache import CacheShape, kv_bits_of
 from unified.model.config import ModelConfig
 from unified.model.transformer import stage_layers
 from unified.plan.activations import Shards, serve_step_bytes, train_step_bytes
-from unified.plan.inventory import EMBEDDING, Place, RankTensor, rank_tensors
+from unified.plan.inventory import EMBEDDING, RankTensor, Stage, rank_tensors
 from unified.plan.training import training_state_bytes
 from unified.plan.weight_bytes import engine_copy_bytes, weight_bytes
 from unified.runtime.layout import Layout
@@ -46,7 +46,7 @@ class Setting:
 
 @functools.lru_cache(maxsize=4096)
 def _stage_tensors(config_key: int, layout: Layout, stage: int) -> tuple[RankTensor, ...]:
-    return tuple(rank_tensors(_CONFIGS[config_key], Place(layout, stage)))
+    return tuple(rank_tensors(_CONFIGS[config_key], Stage(layout, stage)))
 
 
 _CONFIGS: dict[int, ModelConfig] = {}

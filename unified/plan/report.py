@@ -66,10 +66,10 @@ def _missing(plan: Plan, p: LayoutPlan) -> str:
 
 
 def total_parameters(plan: Plan) -> int:
-    from unified.plan.inventory import Place, rank_tensors
+    from unified.plan.inventory import Stage, rank_tensors
     from unified.runtime.layout import Layout
 
-    return sum(t.numel for t in rank_tensors(plan.config, Place(Layout())) if not t.buffer)
+    return sum(t.numel for t in rank_tensors(plan.config, Stage(Layout())) if not t.buffer)
 
 
 def plan_json(plan: Plan, meta_check: list[dict] | None = None) -> dict:

@@ -8,8 +8,8 @@ holds fewer), the pipeline stages one after another (the engine runs one batch a
   communication, per layer: tensor parallel 2 all-reduces of b H d bytes (ring: 2 (tp-1)/tp of it over the
                link); expert parallel the all-gather and the all-reduce of ep b H d bytes (tokens exchanged as
                unified/model/moe.py does); pipeline one send of b H d per stage boundary. The link is the
-               cards' interconnect while the group fits in a node (tensor x expert <= cards per node), the
-               network otherwise. Latencies are left out.
+               cards' interconnect while the group fits in a node (tensor x expert, and for the pipeline's
+               sends all the ranks, <= cards per node), the network otherwise. Latencies are left out.
   tokens/s = b / (sum of the stages' times)
 Training, one micro-batch of T = micro_batch_size x seq_len tokens per data-parallel rank:
   time = 6 (8 with activation checkpointing) x trainable-or-frozen parameters on the rank x T / peak FLOP/s
@@ -69,7 +69,7 @@ def decode_tokens_per_s(config: ModelConfig, layout: Layout, stages: list[tuple[
             comm += moe_layers * ((layout.expert - 1) / layout.expert * exchanged / link
                                   + _all_reduce_s(exchanged, layout.expert, link))
         if stage < len(stages) - 1:
-            comm += step / _link(hw, hw.cards_per_node + 1)
+            comm += step / _link(hw, layout.tensor * layout.expert * layout.pipeline)
         total += max(read / hw.bandwidth_bytes_s, compute) + comm
     return batch / total if total > 0 else 0.0
 

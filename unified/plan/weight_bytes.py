@@ -74,7 +74,8 @@ def stored_bytes(t: RankTensor, fmt: str, group: int = INT4_GROUPS[0]) -> tuple[
     return count * rows * math.ceil(cols / 8) * 4, count * (rows * (cols // group) * 4 + 2 * 8)
 
 
-def weight_bytes(tensors: list[RankTensor], dtype_bytes: int, fmt: str = "auto", lm_head: bool = False) -> dict[str, int]:
+def weight_bytes(tensors: list[RankTensor], dtype_bytes: int, fmt: str = "auto",
+                 lm_head: bool = False) -> dict[str, int]:
     """{"weights": values as held, "weight_scales": the quantized formats' scales} of `tensors`."""
     if fmt not in WEIGHT_FORMATS:
         raise UserError(f"plan.weights={fmt!r} is not a weight format; choose {', '.join(WEIGHT_FORMATS)}")
