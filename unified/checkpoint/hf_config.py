@@ -27,8 +27,6 @@ class UnsupportedModelError(UserError, ValueError):
 
 def read_hf_config(checkpoint_dir: str | Path):
     """Returns the `transformers` config object for the checkpoint in `checkpoint_dir`."""
-    from transformers import CONFIG_MAPPING
-
     path = Path(checkpoint_dir) / "config.json"
     if not path.is_file():
         raise UserError(f"{checkpoint_dir} has no config.json; point model= at a Hugging Face "
@@ -37,6 +35,13 @@ def read_hf_config(checkpoint_dir: str | Path):
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise UserError(f"{path} is not valid JSON ({err}); re-download or re-export the checkpoint") from err
+    return hf_config_from_dict(raw, path)
+
+
+def hf_config_from_dict(raw: dict, path: Path):
+    """The `transformers` config object for a config.json's contents (read from `path`, named in errors)."""
+    from transformers import CONFIG_MAPPING
+
     model_type = raw.get("model_type")
     if model_type not in SUPPORTED:
         raise UnsupportedModelError(f"{path}: model_type {model_type!r} is not implemented natively; "

@@ -234,6 +234,21 @@ class OnlineConfig:
 
 
 @dataclass
+class PlanConfig:
+    """recipe=plan (unified/plan): will this model fit, and how best to lay it out."""
+    hardware: str = "cpu"  # a name in configs/hardware/ (h100, h200, mtt-s4000, mtt-s5000, cpu) or a YAML file's path
+    cards: int = 1  # accelerators (or, for cpu, processes on this machine) to lay the model out on
+    context: Optional[int] = None  # tokens per sequence; None: engine.max_model_len or the model's (serve), train.seq_len (train)
+    mode: str = "serve"  # serve | train
+    probe: str = "on"  # on | warn | off: what a recipe that loads a model does when the plan says it cannot fit
+    # Storage of the weights: auto (the compute dtype, as the engine holds them) | fp8 | int8 | int4 (the
+    # projections kept quantized as checkpoints store them; see unified/plan/weight_bytes.py)
+    weights: str = "auto"
+    expert_load: float = 1.0  # routed tokens per expert over the balanced share (1: balanced routing)
+    top: int = 10  # feasible layouts listed
+
+
+@dataclass
 class RunConfig:
     job: str = MISSING  # which job the recipe runs
     model: str = "smollm2"  # a checkpoint folder or a built-in model name
@@ -256,6 +271,7 @@ class RunConfig:
     rlhf: RLHFConfig = field(default_factory=RLHFConfig)
     online: OnlineConfig = field(default_factory=OnlineConfig)
     vision_demo: VisionDemoConfig = field(default_factory=VisionDemoConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
 
 def register_schemas() -> None:

@@ -15,6 +15,7 @@ from unified.model.forward_context import get_forward_context
 from unified.model.norm import RMSNorm
 from unified.model.parallel_layers import ColumnLinear, RowLinear, megatron_config
 from unified.model.rope import RotaryEmbedding
+from unified.runtime import placement
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -72,9 +73,7 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 class GQAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
-        from megatron.core import parallel_state
-
-        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp = placement.tensor_group().size()
         mp = megatron_config(dtype)
         self.layer = layer
         self.head_dim = config.head_dim

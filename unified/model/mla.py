@@ -22,18 +22,17 @@ from unified.model.forward_context import get_forward_context
 from unified.model.norm import RMSNorm
 from unified.model.parallel_layers import ColumnLinear, RowLinear, megatron_config
 from unified.model.rope import RotaryEmbedding
+from unified.runtime import placement
 
 
 class MLAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, dtype: torch.dtype):
         super().__init__()
-        from megatron.core import parallel_state
-
         mla = config.mla
         assert mla is not None
         mp = megatron_config(dtype)
         self.layer = layer
-        self.num_heads = config.num_heads // parallel_state.get_tensor_model_parallel_world_size()
+        self.num_heads = config.num_heads // placement.tensor_group().size()
         self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.kv_lora_rank = mla.kv_lora_rank
         qk_dim = self.nope_dim + self.rope_dim

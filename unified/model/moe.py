@@ -13,6 +13,7 @@ from torch import nn
 from unified import kernels
 from unified.model.config import ModelConfig, MoEConfig
 from unified.model.mlp import GatedMLP, activation
+from unified.runtime import placement
 from unified.runtime.comm import collective
 
 
@@ -34,12 +35,6 @@ class Router(nn.Module):
                                   moe.norm_topk_prob, moe.routed_scaling_factor)
 
 
-def _expert_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_expert_model_parallel_group()
-
-
 class Experts(nn.Module):
     """This rank's contiguous slice of the experts; with expert parallelism, tokens are exchanged.
 
@@ -49,7 +44,7 @@ class Experts(nn.Module):
 
     def __init__(self, hidden_size: int, moe: MoEConfig, hidden_act: str, dtype: torch.dtype):
         super().__init__()
-        group = _expert_group()
+        group = placement.expert_group()
         self.group = group if group.size() > 1 else None
         self.num_local = moe.num_experts // group.size()
         self.first = group.rank() * self.num_local

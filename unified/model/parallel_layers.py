@@ -28,20 +28,17 @@ from megatron.core.tensor_parallel.mappings import (
 
 from unified import kernels
 from unified.model import sequence_parallel
+from unified.runtime import placement
 from unified.runtime.comm import collective
 
 
 def _tp_group():
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_group()
+    return placement.tensor_group()
 
 
 def megatron_config(dtype: torch.dtype, initialize: bool = False) -> ModelParallelConfig:
-    from megatron.core import parallel_state
-
     return ModelParallelConfig(
-        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        tensor_model_parallel_size=placement.tensor_group().size(),
         params_dtype=dtype,
         use_cpu_initialization=True,
         perform_initialization=initialize,

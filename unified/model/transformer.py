@@ -26,6 +26,7 @@ from unified.model.parallel_layers import ColumnLinear, PackableLinear, VocabEmb
 from unified.model.rope import RotaryEmbedding
 from unified.model.score_head import ScoreHead
 from unified.model import sequence_parallel
+from unified.runtime import placement
 from unified.runtime.comm import collective
 
 
@@ -52,19 +53,27 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(normed)
 
 
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    """The contiguous run of layers pipeline stage `stage` of `stages` holds."""
+    return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)
+
+
 class PipelineStage:
     """This rank's place in the pipeline: its contiguous run of layers and its neighbours."""
 
     def __init__(self, num_layers: int):
         from megatron.core import parallel_state as ps
 
-        self.size, self.rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+        group = placement.pipeline_group()
+        self.size, self.rank = group.size(), group.rank()
         if self.size < 2:
             self.layers, self.first, self.last = range(num_layers), True, True
             return
-        self.layers = range(self.rank * num_layers // self.size, (self.rank + 1) * num_layers // self.size)
+        self.layers = stage_layers(num_layers, self.size, self.rank)
         self.first, self.last = self.rank == 0, self.rank == self.size - 1
-        self.group = ps.get_pipeline_model_parallel_group()
+        if placement.placed():  # built for inspection: no neighbours to talk to
+            return
+        self.group = group
         self.prev, self.next = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
         self.last_rank = ps.get_pipeline_model_parallel_last_rank()
 

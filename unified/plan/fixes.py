@@ -1,0 +1,75 @@
+"""When the run's layout does not fit: the nearest changes that make it fit, as paste-ready overrides.
+
+Every suggestion is checked by planning again with it applied; none is offered that the planner itself calls
+infeasible. Tried in this order, each alone: the feasible layouts on the same cards (the best, then the one
+fewest changes away), a smaller KV cache dtype, a context the cache holds (engine.max_model_len), a larger
+share of free memory for the cache, training's memory savers (ZeRO-3, optimizer offload, activation
+checkpointing, one row per micro-batch), quantized weights kept as stored, and finally more cards (the fewest,
+doubling, with the best layout there).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from omegaconf import OmegaConf
+
+from unified.plan.planner import default_context, evaluate, search, setting_for
+from unified.runtime.layout import Layout
+
+MAX_CARDS = 16384
+
+
+def _changes(layout_plan, requested) -> int:
+    a, b = layout_plan.layout, requested.layout
+    return ((a.tensor != b.tensor) + (a.pipeline != b.pipeline) + (a.expert != b.expert)
+            + (layout_plan.kv_cache_dtype != requested.kv_cache_dtype))
+
+
+def _fits_with(cfg, plan, dotlist: list[str]) -> bool:
+    """Whether the requested layout fits with `dotlist` applied to the run config."""
+    changed = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
+    s = setting_for(changed, plan.hardware, default_context(changed, plan.config))
+    p = changed.parallel
+    kv = "-" if s.mode == "train" else changed.engine.kv_cache_dtype
+    return evaluate(plan.config, Layout(p.tensor, p.pipeline, p.expert), kv, changed.plan.cards, s, plan.hardware).fits
+
+
+def nearest_fixes(cfg, plan) -> list[str]:
+    fixes: list[str] = []
+    requested = plan.requested
+    other_layouts = [p for p in plan.feasible if p.layout != requested.layout]  # same layout: the KV tries below
+    if other_layouts:
+        best = other_layouts[0]
+        fixes.append(best.overrides)
+        nearest = min(other_layouts, key=lambda p: (_changes(p, requested), -p.tokens_per_s))
+        if nearest is not best:
+            fixes.append(nearest.overrides)
+    tries: list[list[str]] = []
+    if plan.mode == "serve":
+        tries += [[f"engine.kv_cache_dtype={kv}"] for kv in ("int8", "int4") if kv != requested.kv_cache_dtype]
+        if requested.kv_tokens >= plan.setting.engine.block_size and requested.short == 0:
+            tries.append([f"plan.context={requested.kv_tokens}", f"engine.max_model_len={requested.kv_tokens}"])
+        if not plan.setting.engine.kv_cache_bytes and not plan.setting.engine.num_blocks:
+            tries.append(["engine.kv_cache_memory_fraction=0.9"])
+        tries += [[f"plan.weights={w}"] for w in ("fp8", "int4") if w != plan.setting.weights]
+    else:
+        tries += [["train.zero_stage=3"], ["train.zero_stage=3", "train.offload_optimizer=true"],
+                  ["train.activation_checkpointing=true"], ["train.micro_batch_size=1"]]
+    for dotlist in tries:
+        if not requested.problems and _fits_with(cfg, plan, dotlist):
+            fixes.append(" ".join(dotlist))
+    cards = plan.cards * 2
+    while cards <= MAX_CARDS and not plan.feasible:
+        found = search(plan.config, cards, _with_cards(plan, cards), plan.hardware,
+                       requested.kv_cache_dtype)
+        if found:
+            fixes.append(f"plan.cards={cards} {found[0].overrides}")
+            break
+        cards *= 2
+    return fixes
+
+
+def _with_cards(plan, cards: int):
+    hw = plan.hardware
+    budget = hw.memory_bytes // cards if hw.kind == "cpu" else plan.setting.budget
+    return replace(plan.setting, budget=budget)
