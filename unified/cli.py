@@ -63,7 +63,11 @@ def run_job(cfg) -> None:
         from unified.kernels import set_backend
 
         set_backend(cfg.kernels.backend)
-        importlib.import_module(JOBS[cfg.job]).run(cfg)
+        job = importlib.import_module(JOBS[cfg.job])
+        from unified.plan.probe import probe
+
+        probe(cfg)  # before any weight is read: stops a run that cannot fit
+        job.run(cfg)
         ended_normally = True
     except UserError as err:
         _fail(str(err))

@@ -34,6 +34,7 @@ from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_wei
 from unified.errors import UserError
 from unified.kernels import cpu_ops
 from unified.runtime.host_memory import retain_freed_host_memory
+from unified.runtime.memory_report import log_against_plan
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +225,7 @@ class LLMEngine:
                 progress(done, len(shapes))
         self.blocks.reset_prefix_cache()
         self.runner.cache.reset_key_centres()  # centre int4 keys on real traffic, not the synthetic warm-up
+        log_against_plan("after warm-up", self.device)
 
     def stats(self) -> EngineStats:
         size, filled = self.cfg.block_size, {}
@@ -330,6 +332,7 @@ class LLMEngine:
         self.release_followers()
         if self.speculator is not None:
             self.speculator.log_progress(final=True)
+        log_against_plan("over the run", self.device)
 
     # Requests ---------------------------------------------------------------------------------------
 

@@ -3,20 +3,21 @@
 Every suggestion is checked by planning again with it applied; none is offered that the planner itself calls
 infeasible. Tried in this order, each alone: the feasible layouts on the same cards (the best, then the one
 fewest changes away), a smaller KV cache dtype, a context the cache holds (engine.max_model_len), a larger
-share of free memory for the cache, training's memory savers (ZeRO-3, optimizer offload, activation
-checkpointing, one row per micro-batch), quantized weights kept as stored, and finally more cards (the fewest,
-doubling, with the best layout there).
+share of free memory for the cache (for an explicit budget, the one that fits), training's memory savers
+(ZeRO-3, optimizer offload, activation checkpointing, one row per micro-batch), quantized weights kept as
+stored, and finally more cards (the fewest, doubling, with the best layout there; for a CPU host, whose
+processes share its memory, accelerators' cards).
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from omegaconf import OmegaConf
 
+from unified.plan.hardware import load_hardware
 from unified.plan.planner import default_context, evaluate, search, setting_for
 from unified.runtime.layout import Layout
 
 MAX_CARDS = 16384
+ACCELERATOR = "h200"  # what a host too small is pointed to
 
 
 def _changes(layout_plan, requested) -> int:
@@ -51,6 +52,9 @@ def nearest_fixes(cfg, plan) -> list[str]:
             tries.append([f"plan.context={requested.kv_tokens}", f"engine.max_model_len={requested.kv_tokens}"])
         if not plan.setting.engine.kv_cache_bytes and not plan.setting.engine.num_blocks:
             tries.append(["engine.kv_cache_memory_fraction=0.9"])
+        room = requested.budget - (requested.peak - requested.breakdown.get("kv_cache", 0))
+        if plan.setting.engine.kv_cache_bytes and requested.short and room > 2 ** 20:
+            tries.append([f"engine.kv_cache_bytes={room // 2 ** 20 * 2 ** 20}"])  # the cache the rest leaves room for
         tries += [[f"plan.weights={w}"] for w in ("fp8", "int4") if w != plan.setting.weights]
     else:
         tries += [["train.zero_stage=3"], ["train.zero_stage=3", "train.offload_optimizer=true"],
@@ -58,18 +62,21 @@ def nearest_fixes(cfg, plan) -> list[str]:
     for dotlist in tries:
         if not requested.problems and _fits_with(cfg, plan, dotlist):
             fixes.append(" ".join(dotlist))
-    cards = plan.cards * 2
-    while cards <= MAX_CARDS and not plan.feasible:
-        found = search(plan.config, cards, _with_cards(plan, cards), plan.hardware,
-                       requested.kv_cache_dtype)
-        if found:
-            fixes.append(f"plan.cards={cards} {found[0].overrides}")
-            break
-        cards *= 2
+    if not plan.feasible and plan.hardware.kind != "cpu":
+        fixes += _fewest_cards(plan, plan.hardware, plan.setting, plan.cards * 2)
+    elif not plan.feasible:  # more processes on one host share its memory: only accelerators can hold it
+        accelerator = load_hardware(ACCELERATOR)
+        setting = setting_for(cfg, accelerator, plan.context)
+        fixes += [f"plan.hardware={ACCELERATOR} {fix} (no layout of this machine holds it; on accelerators)"
+                  for fix in _fewest_cards(plan, accelerator, setting, 1)]
     return fixes
 
 
-def _with_cards(plan, cards: int):
-    hw = plan.hardware
-    budget = hw.memory_bytes // cards if hw.kind == "cpu" else plan.setting.budget
-    return replace(plan.setting, budget=budget)
+def _fewest_cards(plan, hardware, setting, cards: int) -> list[str]:
+    """The fewest cards (doubling from `cards`) on which a layout fits, with the best layout there."""
+    while cards <= MAX_CARDS:
+        found = search(plan.config, cards, setting, hardware, plan.requested.kv_cache_dtype)
+        if found:
+            return [f"plan.cards={cards} {found[0].overrides}"]
+        cards *= 2
+    return []

@@ -18,7 +18,7 @@ from unified.errors import UserError
 DEVICES = ("auto", "cpu", "cuda", "musa")
 
 
-def _detect() -> str:
+def detect_device() -> str:
     if torch.cuda.is_available():
         return "cuda"
     if importlib.util.find_spec("torch_musa") is not None:
@@ -31,7 +31,7 @@ def select_accelerator(name: str = "auto"):
     if name not in DEVICES:
         raise UserError(f"device={name!r} is not a device we know; choose one of {', '.join(DEVICES)}")
     if name == "auto":
-        name = _detect()
+        name = detect_device()
     if name in ("cpu", "cuda") and "deepspeed" not in sys.modules:
         os.environ.setdefault("DS_ACCELERATOR", name)  # DeepSpeed picks one at import; tell it ours
     from deepspeed.accelerator import real_accelerator, set_accelerator

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from unified.errors import UserError
+from unified.runtime.memory_report import log_against_plan
 from unified.train import checkpoint
 from unified.train.engine import check_train_config, resolve_zero_stage
 from unified.train.packing import RowStream, collate
@@ -217,6 +218,8 @@ def train(cfg) -> TrainResult:
         torch.distributed.all_reduce(totals, group=dp_group)
         report.step(StepRecord(step + 1, float(totals[0]) / stream.num_targets(rows), lr, grad_norm(engine),
                                int(totals[1]), time.perf_counter() - began))
+        if step == start:  # the optimizer's state exists from the first step on
+            log_against_plan("after the first training step", runtime.device)
         if tc.save_every and (step + 1) % tc.save_every == 0 and step + 1 < steps:
             checkpoint.save(engine, checkpoints, step + 1, runtime.accelerator, tc.keep_checkpoints, partial)
             report.plot()
