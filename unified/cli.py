@@ -26,6 +26,7 @@ JOBS = {
     "online": "unified.jobs.online",
     "vision_demo": "unified.jobs.vision_demo",
     "quantize": "unified.jobs.quantize",
+    "convert": "unified.jobs.convert",
 }
 
 

@@ -52,6 +52,27 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(normed)
 
 
+def stage_layers(num_layers: int, rank: int, size: int) -> range:
+    """The contiguous run of layers that pipeline stage `rank` of `size` builds."""
+    return range(rank * num_layers // size, (rank + 1) * num_layers // size)
+
+
+def stage_holds(name: str, config: ModelConfig, rank: int, size: int) -> bool:
+    """Whether pipeline stage `rank` of `size` builds our parameter `name`: the rule CausalLM and
+    VisionLanguageModel follow below, for code that must know it without building the model (the
+    pre-sharding converter)."""
+    first, last = rank == 0, rank == size - 1
+    top = name.split(".", 1)[0]
+    if top == "layers":
+        return int(name.split(".")[1]) in stage_layers(config.num_layers, rank, size)
+    if top == "embed":
+        return first or (last and config.tie_word_embeddings)
+    if top == "vision":
+        return first
+    assert top in ("norm", "lm_head", "score"), f"no pipeline stage rule for {name}"
+    return last
+
+
 class PipelineStage:
     """This rank's place in the pipeline: its contiguous run of layers and its neighbours."""
 
@@ -62,7 +83,7 @@ class PipelineStage:
         if self.size < 2:
             self.layers, self.first, self.last = range(num_layers), True, True
             return
-        self.layers = range(self.rank * num_layers // self.size, (self.rank + 1) * num_layers // self.size)
+        self.layers = stage_layers(num_layers, self.rank, self.size)
         self.first, self.last = self.rank == 0, self.rank == self.size - 1
         self.group = ps.get_pipeline_model_parallel_group()
         self.prev, self.next = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
