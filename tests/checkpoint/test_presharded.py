@@ -120,17 +120,26 @@ def test_single_rank_folder_loads_as_the_hf_checkpoint(runtime, tiny_checkpoint,
         assert torch.equal(ours.logits(ours(ids, positions)), reference.logits(reference(ids, positions)))
 
 
-def test_quantized_conversion_loads_dequantized(runtime, tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("method,dtype,step", [("int8", torch.int8, 1 / 127), ("fp8", torch.float8_e4m3fn, 1 / 16)])
+def test_quantized_conversion_loads_dequantized(runtime, tiny_checkpoint, tmp_path, method, dtype, step):
     hf = tiny_checkpoint("deepseek_v3")
-    convert_to_presharded(hf, tmp_path / "int8", Layout(), quantization="int8", **QUIET)
-    files = stored(tmp_path / "int8", shard_file(0, 0, 0))
-    assert files["layers.0.attn.q_proj.weight"].dtype == torch.int8 and "layers.0.attn.q_proj.weight_scale" in files
+    convert_to_presharded(hf, tmp_path / method, Layout(), quantization=method, **QUIET)
+    files = stored(tmp_path / method, shard_file(0, 0, 0))
+    quantized = {n: t.dtype for n, t in files.items() if n.startswith("layers.0.attn.q_proj.weight")}
+    assert dtype in quantized.values() and len(quantized) > 1, quantized  # the weight and its scales
     assert files["embed.weight"].dtype == torch.float32  # embeddings stay as they are
-    ours = dict(load_model(tmp_path / "int8").model.named_parameters())
+    assert (files["layers.1.mlp.experts.gate_up"].dtype == torch.float8_e4m3fn) == (method == "fp8")
+    ours = dict(load_model(tmp_path / method).model.named_parameters())
     reference = dict(load_model(hf).model.named_parameters())
-    weight = reference["layers.0.attn.q_proj.weight"]
-    error = (ours["layers.0.attn.q_proj.weight"] - weight).abs().max()
-    assert 0 < error <= weight.abs().max() / 127
+    for name in ("layers.0.attn.q_proj.weight", "layers.1.mlp.shared.gate_up_proj.weight"):
+        error = (ours[name] - reference[name]).abs().max()
+        assert 0 < error <= reference[name].abs().max() * step, name
+
+
+def test_int4_without_a_group_size_that_fits_is_refused_before_anything_is_written(tiny_checkpoint, tmp_path):
+    with pytest.raises(CheckpointError, match=r"no int4 group size .* divides every input size \(\[16,"):
+        convert_to_presharded(tiny_checkpoint("deepseek_v3"), tmp_path / "int4", Layout(), quantization="int4", **QUIET)
+    assert not (tmp_path / "int4").exists()
 
 
 def test_a_folder_for_another_layout_is_refused_with_the_layout_to_use(runtime, converted):

@@ -19,8 +19,8 @@ import torch
 from unified.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from unified.checkpoint.hf_names import Param, parameter_map
 from unified.checkpoint.hf_vision_names import in_checkpoint_layout
-from unified.checkpoint.prefetch import prefetched
 from unified.checkpoint.manifest import is_presharded
+from unified.checkpoint.prefetch import prefetched
 from unified.checkpoint.presharded_loader import RankFile, fill_from_rank_file, open_rank_file
 from unified.checkpoint.quantized import dequantizing
 from unified.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, save_safetensors
@@ -170,12 +170,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     hf = read_hf_config(path)
     config = model_config_from_hf(hf)
     _check_head(path, hf, config.num_labels, num_labels)
+    presharded = is_presharded(path)
+    source = None if presharded else dequantizing(SafetensorsCheckpoint(path), hf)  # reads the headers only
     layout = current_layout()
     check_layout(layout, layout_world(), config)  # before reading any weight
-    if is_presharded(path):
+    if presharded:
         source = open_rank_file(path, layout, verify_checksums)
-    else:
-        source = dequantizing(SafetensorsCheckpoint(path), hf)  # reads the headers only
     with torch.device(device):
         model = VisionLanguageModel(config, dtype) if config.vision else CausalLM(config, dtype)
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
