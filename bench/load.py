@@ -2,7 +2,7 @@
 
 Builds a Llama-shaped checkpoint with random float32 weights in a temporary folder (about 1.2 GB by default,
 sharded with an index as HF ships them), pre-shards it for tensor parallel N (`recipe=convert`'s function,
-in a child process whose peak memory is reported), then starts N ranks (gloo, one process each) that load it
+in a child process whose peak anonymous memory is sampled), then starts N ranks (gloo, one process each) that load it
 one rank at a time (so that each rank's bytes and seconds are its own), each way with the page cache cold
 (posix_fadvise(POSIX_FADV_DONTNEED) on every file first) and warm:
 - `hf`: load_model on the HF folder (each rank reads its slices through lazy safetensors views),
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import sys
 import tempfile
@@ -40,7 +39,8 @@ def build_checkpoint(path: Path, hidden: int, layers: int, vocab: int = 32000) -
 
     from unified.checkpoint.safetensors_io import save_safetensors
 
-    inter, heads, kv_heads = hidden * 8 // 3 // 256 * 256, hidden // 128, max(1, hidden // 512)
+    inter, heads = hidden * 8 // 3 // 256 * 256, hidden // 128
+    kv_heads = 4 if heads % 4 == 0 else 2
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=False)
     config.save_pretrained(path)
@@ -145,16 +145,33 @@ def convert_child(hf: Path, presharded: Path, ranks: int, queue) -> None:
     from unified.checkpoint.presharded import convert_to_presharded
     from unified.runtime.layout import Layout
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    import threading
+
+    before, peak, done = status_kib("RssAnon"), [0], threading.Event()
+
+    def sample() -> None:  # anonymous memory (what the process allocates; mapped file pages are the page cache's)
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], status_kib("RssAnon"))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
     start = time.perf_counter()
     convert_to_presharded(hf, presharded, Layout(tensor=ranks), log=lambda *_: None)
-    queue.put((time.perf_counter() - start, before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+    seconds = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    queue.put((seconds, before, peak[0], status_kib("VmHWM")))
+
+
+def status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
 def transformers_load(hf: Path) -> list[tuple[str, float]]:
     from transformers import AutoModelForCausalLM
 
-    del AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)  # first-call costs, not measured
+    AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)  # first-call costs, not measured
     out = []
     for cache in ("cold", "warm"):
         if cache == "cold":
@@ -181,26 +198,29 @@ def main() -> None:
         queue = context.Queue()
         child = context.Process(target=convert_child, args=(hf, presharded, args.ranks, queue))
         child.start()
-        convert_s, rss_before, rss_peak = queue.get()
         child.join()
+        if child.exitcode != 0:
+            raise SystemExit(f"the conversion failed (exit status {child.exitcode}); see above")
+        convert_s, rss_before, rss_peak, hwm = queue.get()
         out = work / "ranks.json"
         mp.start_processes(rank_main, args=(args.ranks, 29400 + os.getpid() % 500, hf, presharded, out),
                            nprocs=args.ranks, start_method="spawn")
         ranks = json.loads(out.read_text())
         hf_transformers = transformers_load(hf)
-        report(args, whole, hf, presharded, convert_s, rss_before, rss_peak, ranks, hf_transformers)
+        report(args, whole, hf, presharded, convert_s, rss_before, rss_peak, hwm, ranks, hf_transformers)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def report(args, whole, hf, presharded, convert_s, rss_before, rss_peak, ranks, hf_transformers) -> None:
+def report(args, whole, hf, presharded, convert_s, rss_before, rss_peak, hwm, ranks, hf_transformers) -> None:
     gb = 1e9
     hf_files = sum(p.stat().st_size for p in hf.glob("*.safetensors"))
     print(f"checkpoint: Llama-shaped, hidden {args.hidden}, {args.layers} layers, float32: {whole / gb:.2f} GB of "
           f"tensors in {len(list(hf.glob('*.safetensors')))} HF files; pre-sharded for tensor parallel {args.ranks}: "
           f"{sum(p.stat().st_size for p in presharded.glob('shard-*')) / gb:.2f} GB in {args.ranks} files")
-    print(f"conversion (one process): {convert_s:.1f} s, peak resident memory {rss_peak / 2 ** 10:.0f} MiB "
-          f"({(rss_peak - rss_before) / 2 ** 10:.0f} MiB above the process before converting)")
+    print(f"conversion (one process): {convert_s:.1f} s; peak anonymous memory {(rss_peak - rss_before) / 2 ** 10:.0f} "
+          f"MiB above the process before converting (sampled every 5 ms); peak resident {hwm / 2 ** 10:.0f} MiB "
+          f"including the source's memory-mapped pages")
     print(f"page cache: cold = posix_fadvise(POSIX_FADV_DONTNEED) on every file before the run; warm = right after it\n")
     print("| way | cache | rank | seconds | read from storage (GB) | its slices (GB) | own file (GB) | GB/s over own file |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -65,7 +65,7 @@ class RankFile:
         with self.path.open("rb") as f:  # private, copy-on-write: torch wants writable buffers, nothing writes
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         self._bytes = memoryview(self._map) if size else memoryview(b"")
-        self._checked: set[str] = set()
+        self._checked: set[str] = set()  # read once already (and checked, with `verify`)
         self._reader = dequantizing(self, SimpleNamespace(quantization_config=quantization))
 
     def record(self, name: str) -> dict:
@@ -90,13 +90,17 @@ class RankFile:
     def get(self, name: str) -> torch.Tensor:
         record = self.record(name)
         begin, end = record["offsets"]
+        if name not in self._checked and end > begin:
+            # one asynchronous read of the whole range; page faults alone would read it 128 KiB at a time
+            self._map.madvise(mmap.MADV_WILLNEED, begin // PAGE * PAGE, end - begin // PAGE * PAGE)
         if self.verify and name not in self._checked:
             if hashlib.sha256(self._bytes[begin:end]).hexdigest() != record["sha256"]:
                 raise CheckpointError(f"tensor {name!r} in {self.path} does not match its sha256 in manifest.json: the "
                                       f"file is corrupt; copy it again, or convert again (recipe=convert)")
             self._checked.add(name)
-        elif not self.verify:
+        elif not self.verify and name not in self._checked:
             self._bytes[begin:end:PAGE].tobytes()  # one byte a page: the pages come in now, in this thread
+            self._checked.add(name)
         shape, dtype = record["shape"], DTYPES[record["dtype"]]
         if begin == end:
             return torch.empty(shape, dtype=dtype)
