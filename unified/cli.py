@@ -27,6 +27,7 @@ JOBS = {
     "vision_demo": "unified.jobs.vision_demo",
     "quantize": "unified.jobs.quantize",
     "plan": "unified.jobs.plan",
+    "convert": "unified.jobs.convert",
 }
 
 

@@ -39,7 +39,7 @@ def test_export_writes_sharded_index_that_loads(runtime, tiny_checkpoint, tmp_pa
 
 def test_tensor_parallel_rank_reads_only_its_slice(runtime, tiny_checkpoint):
     from unified.checkpoint.hf_names import parameter_map
-    from unified.checkpoint.loader import _assemble
+    from unified.checkpoint.loader import Shard, assemble
     from unified.checkpoint.safetensors_io import SafetensorsCheckpoint
 
     path = tiny_checkpoint("llama")
@@ -51,5 +51,5 @@ def test_tensor_parallel_rank_reads_only_its_slice(runtime, tiny_checkpoint):
     gate, up = (ckpt.get(n) for n in gate_up.rows[0])
     for rank in range(2):
         expected = torch.cat((gate.chunk(2, 0)[rank], up.chunk(2, 0)[rank]), 0)  # [gate_r | up_r]
-        assert torch.equal(_assemble(ckpt, gate_up, rank, 2), expected)
-        assert torch.equal(_assemble(ckpt, down, rank, 2), ckpt.get(down.rows[0][0]).chunk(2, 1)[rank])
+        assert torch.equal(assemble(ckpt, gate_up, Shard(rank, 2)), expected)
+        assert torch.equal(assemble(ckpt, down, Shard(rank, 2)), ckpt.get(down.rows[0][0]).chunk(2, 1)[rank])

@@ -1,8 +1,11 @@
 """Loading an HF checkpoint folder into our model, and exporting our model back to HF layout.
 
 The model is built directly on the target device with uninitialised storage, then every parameter is
-filled from the checkpoint; a tensor-parallel rank reads only its slice of each tensor. Nothing is
-left uninitialised: a parameter the checkpoint does not cover is an error.
+filled from the checkpoint; a tensor-parallel rank reads only its slice of each tensor (`param_sources`
+says which, for any rank: the pre-sharding converter uses it too), an expert-parallel rank only its
+experts, a pipeline stage only its layers. A pre-sharded folder (manifest.json) is read by
+presharded_loader instead: each rank maps its own file. Nothing is left uninitialised: a parameter the
+checkpoint does not cover is an error.
 """
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ import torch
 from unified.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from unified.checkpoint.hf_names import Param, parameter_map
 from unified.checkpoint.hf_vision_names import in_checkpoint_layout
+from unified.checkpoint.manifest import is_presharded
+from unified.checkpoint.prefetch import prefetched
+from unified.checkpoint.presharded_loader import RankFile, fill_from_rank_file, open_rank_file
 from unified.checkpoint.quantized import dequantizing
 from unified.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, save_safetensors
 from unified.model.config import ModelConfig
@@ -69,10 +75,33 @@ def part_sizes(param: Param, local_row: int, tp: int) -> tuple[list[int], list[i
     return full, local, heads
 
 
-def _read_part(ckpt: SafetensorsCheckpoint, name: str, split: int | None, rank: int, size: int,
-               unit: int | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Shard:
+    """Which slice of the model one rank holds: its tensor- and expert-parallel rank and group size. (Its
+    pipeline stage decides which parameters it has at all: unified.model.transformer.stage_holds.)"""
+    tp_rank: int = 0
+    tp_size: int = 1
+    ep_rank: int = 0
+    ep_size: int = 1
+
+
+def current_shard() -> Shard:
+    return Shard(*_tp_rank_size(), *_ep_rank_size())
+
+
+@dataclass(frozen=True)
+class PartSlice:
+    """What a rank reads of one HF tensor: all of it (`dim` None), or `length` entries from `start` along `dim`."""
+    name: str
+    dim: int | None = None
+    start: int = 0
+    length: int = 0
+
+
+def part_slice(ckpt: SafetensorsCheckpoint, name: str, split: int | None, rank: int, size: int,
+               unit: int | None = None) -> PartSlice:
     if split is None or size == 1:
-        return ckpt.get(name)
+        return PartSlice(name)
     full = ckpt.shape(name)
     if unit and full[split] // unit < size:  # fewer heads than ranks: this rank's head, replicated
         length = unit
@@ -83,18 +112,35 @@ def _read_part(ckpt: SafetensorsCheckpoint, name: str, split: int | None, rank: 
     else:
         length = full[split] // size
         start = rank * length
-    view = ckpt.get_slice(name)
-    return view[start:start + length] if split == 0 else view[:, start:start + length]
+    return PartSlice(name, split, start, length)
 
 
-def _assemble(ckpt: SafetensorsCheckpoint, param: Param, rank: int, size: int) -> torch.Tensor:
-    param_rows = param.rows
+def read_part(ckpt: SafetensorsCheckpoint, part: PartSlice) -> torch.Tensor:
+    """Only the bytes of the slice are read (a lazy safetensors view indexed by the slice)."""
+    if part.dim is None:
+        return ckpt.get(part.name)
+    view, end = ckpt.get_slice(part.name), part.start + part.length
+    return view[part.start:end] if part.dim == 0 else view[:, part.start:end]
+
+
+def _read_part(ckpt: SafetensorsCheckpoint, name: str, split: int | None, rank: int, size: int,
+               unit: int | None = None) -> torch.Tensor:
+    return read_part(ckpt, part_slice(ckpt, name, split, rank, size, unit))
+
+
+def param_sources(ckpt: SafetensorsCheckpoint, param: Param, shard: Shard) -> list[list[PartSlice]]:
+    """The HF slices `shard`'s copy of `param` is made of: per row (one per local expert), its parts in order."""
+    rows = param.rows
     if param.is_experts:
-        ep_rank, ep_size = _ep_rank_size()
-        local = len(param_rows) // ep_size
-        param_rows = param_rows[ep_rank * local:(ep_rank + 1) * local]
-    rows = [torch.cat([_read_part(ckpt, n, param.split, rank, size, param.unit) for n in row], dim=param.cat_dim)
-            if len(row) > 1 else _read_part(ckpt, row[0], param.split, rank, size, param.unit) for row in param_rows]
+        local = len(rows) // shard.ep_size
+        rows = rows[shard.ep_rank * local:(shard.ep_rank + 1) * local]
+    return [[part_slice(ckpt, n, param.split, shard.tp_rank, shard.tp_size, param.unit) for n in row] for row in rows]
+
+
+def assemble(ckpt: SafetensorsCheckpoint, param: Param, shard: Shard) -> torch.Tensor:
+    """`shard`'s copy of `param`, read from the HF checkpoint: parts concatenated, rows stacked."""
+    rows = [torch.cat([read_part(ckpt, p) for p in row], dim=param.cat_dim) if len(row) > 1 else read_part(ckpt, row[0])
+            for row in param_sources(ckpt, param, shard)]
     return torch.stack(rows) if param.stacked else rows[0]
 
 
@@ -114,41 +160,54 @@ def _check_head(path: Path, hf, found: int | None, wanted: int | None) -> None:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-               progress: Callable[[int, int], None] | None = None, num_labels: int | None = None) -> LoadedModel:
-    """`progress(done, total)` is called after each model tensor is filled (servers report it while starting).
-    `num_labels` None asks for a causal LM; a number, for a sequence classifier with that many outputs."""
+               progress: Callable[[int, int], None] | None = None, num_labels: int | None = None,
+               verify_checksums: bool = True) -> LoadedModel:
+    """From an HF checkpoint folder or a pre-sharded one (recipe=convert; it holds manifest.json).
+    `progress(done, total)` is called after each model tensor is filled (servers report it while starting).
+    `num_labels` None asks for a causal LM; a number, for a sequence classifier with that many outputs.
+    `verify_checksums`: a pre-sharded folder's tensors are checked against their sha256 as they are read."""
     path = Path(path)
     hf = read_hf_config(path)
     config = model_config_from_hf(hf)
     _check_head(path, hf, config.num_labels, num_labels)
-    ckpt = dequantizing(SafetensorsCheckpoint(path), hf)  # reads the headers only
-    check_layout(current_layout(), layout_world(), config)  # before reading any weight
+    presharded = is_presharded(path)
+    source = None if presharded else dequantizing(SafetensorsCheckpoint(path), hf)  # reads the headers only
+    layout = current_layout()
+    check_layout(layout, layout_world(), config)  # before reading any weight
+    if presharded:
+        source = open_rank_file(path, layout, verify_checksums)
     with torch.device(device):
         model = VisionLanguageModel(config, dtype) if config.vision else CausalLM(config, dtype)
-    rank, size = _tp_rank_size()
     targets = dict(model.named_parameters()) | dict(model.named_buffers())
-    filled = set()
-    params = in_checkpoint_layout(parameter_map(config), config, ckpt.has)
     with torch.no_grad():
-        for done, param in enumerate(params, start=1):
-            if param.ours not in targets:
-                assert model.stage.size > 1, f"{param.ours} is in the HF name map but not in the model"
-                continue  # another pipeline stage holds it
-            tensor = _assemble(ckpt, param, rank, size)
-            target = targets[param.ours]
-            if tuple(tensor.shape) != tuple(target.shape):
-                parts = ", ".join(f"{n} {ckpt.shape(n)} in {ckpt.file_of(n).name}" for row in param.rows[:1] for n in row)
-                raise CheckpointError(f"shape mismatch: {parts} give {tuple(tensor.shape)} but the model built "
-                                      f"from {path / 'config.json'} expects {tuple(target.shape)} for {param.ours}; "
-                                      f"config.json and the weights disagree")
-            target.copy_(tensor)
-            filled.add(param.ours)
-            if progress:
-                progress(done, len(params))
+        if isinstance(source, RankFile):
+            filled = fill_from_rank_file(source, targets, progress)
+        else:
+            filled = _fill_from_hf(source, in_checkpoint_layout(parameter_map(config), config, source.has), targets,
+                                   path, progress)
     unfilled = [n for n in dict(model.named_parameters()) if n not in filled]
     assert not unfilled, f"parameters not covered by the HF name map: {unfilled}"
     model.eval()
     return LoadedModel(model, config, hf, path)
+
+
+def _fill_from_hf(ckpt: SafetensorsCheckpoint, params: list[Param], targets: dict[str, torch.Tensor], path: Path,
+                  progress: Callable[[int, int], None] | None) -> set[str]:
+    """Copies this rank's slice of every parameter it holds (another pipeline stage's are skipped); the
+    next parameters are read in a background thread while the current one is copied."""
+    shard = current_shard()
+    mine = [p for p in params if p.ours in targets]
+    for done, (param, tensor) in enumerate(prefetched(mine, lambda p: assemble(ckpt, p, shard)), start=1):
+        target = targets[param.ours]
+        if tuple(tensor.shape) != tuple(target.shape):
+            parts = ", ".join(f"{n} {ckpt.shape(n)} in {ckpt.file_of(n).name}" for row in param.rows[:1] for n in row)
+            raise CheckpointError(f"shape mismatch: {parts} give {tuple(tensor.shape)} but the model built "
+                                  f"from {path / 'config.json'} expects {tuple(target.shape)} for {param.ours}; "
+                                  f"config.json and the weights disagree")
+        target.copy_(tensor)
+        if progress:
+            progress(done, len(mine))
+    return {p.ours for p in mine}
 
 
 def _gather_part(part: torch.Tensor, dim: int, heads: int | None, group) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from unified.checkpoint.hf_config import model_config_from_hf, read_hf_config
 from unified.checkpoint.hf_names import mtp_params
-from unified.checkpoint.loader import _assemble, _tp_rank_size
+from unified.checkpoint.loader import assemble, current_shard
 from unified.checkpoint.quantized import dequantizing
 from unified.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
 from unified.model.mtp import MTPLayer
@@ -36,11 +36,11 @@ def load_mtp_layer(path: str | Path, device: str | torch.device = "cpu", dtype: 
                               f"drops them? Use the original checkpoint, or engine.speculative.method=ngram")
     with torch.device(device):
         layer = MTPLayer(config, dtype)
-    rank, size = _tp_rank_size()
+    shard = current_shard()
     targets = dict(layer.named_parameters()) | dict(layer.named_buffers())
     with torch.no_grad():
         for param in params:
-            tensor = _assemble(ckpt, param, rank, size)
+            tensor = assemble(ckpt, param, shard)
             target = targets.pop(param.ours)
             if tuple(tensor.shape) != tuple(target.shape):
                 raise CheckpointError(f"{param.rows[0][0]} in {path} has shape {tuple(tensor.shape)}, but the MTP "

@@ -125,3 +125,55 @@ def save_safetensors(tensors: dict[str, torch.Tensor], directory: str | Path,
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         (directory / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     return paths
+
+
+# safetensors' names for torch dtypes
+DTYPE_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+_MAX_DIMS = 8  # header room per tensor assumes at most this many dimensions
+
+
+class StreamingSafetensorsWriter:
+    """Writes one safetensors file a tensor at a time, so memory never holds more than the tensor being written.
+
+    The format puts a JSON header (names, dtypes, shapes, byte offsets) before the data. The header's room is
+    reserved from the names to come (a bound for each entry), the data are written after it as they arrive,
+    and the header is written last, padded with spaces (which the format allows) to the reserved size. The file
+    is written under a temporary name and renamed by `close`, so an interrupted write leaves no complete-looking
+    file. `add` returns the tensor's [begin, end) offsets in the file and the sha256 of its bytes.
+    """
+
+    def __init__(self, path: str | Path, names: list[str], metadata: dict[str, str] | None = None):
+        self.path, self.tmp = Path(path), Path(path).with_name(f".{Path(path).name}.tmp")
+        self.metadata = metadata or {"format": "pt"}
+        entry = len('"":{"dtype":"F8_E4M3","shape":[],"data_offsets":[,]},') + 20 * (_MAX_DIMS + 2) + _MAX_DIMS
+        room = len(json.dumps({"__metadata__": self.metadata})) + sum(len(json.dumps(n)) + entry for n in names) + 2
+        self.header_room = room + (-room % 8)  # data start 8-byte aligned
+        self.file = self.tmp.open("wb")
+        self.file.seek(8 + self.header_room)
+        self.header: dict[str, dict] = {}
+        self.position = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> tuple[tuple[int, int], str]:
+        import hashlib
+
+        assert name not in self.header and tensor.dim() <= _MAX_DIMS, name
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        self.file.write(data)
+        begin, end = self.position, self.position + data.nbytes
+        self.header[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [begin, end]}
+        self.position = end
+        start = 8 + self.header_room
+        return (start + begin, start + end), hashlib.sha256(data).hexdigest()
+
+    def close(self) -> int:
+        """Writes the header, renames the file into place; returns its size in bytes."""
+        header = json.dumps({"__metadata__": self.metadata, **self.header}, separators=(",", ":")).encode()
+        assert len(header) <= self.header_room, "safetensors header bound too small"
+        self.file.seek(0)
+        self.file.write(len(header.ljust(self.header_room)).to_bytes(8, "little") + header.ljust(self.header_room))
+        self.file.close()
+        os.replace(self.tmp, self.path)
+        return 8 + self.header_room + self.position

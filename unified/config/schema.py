@@ -70,6 +70,8 @@ class EngineConfig:
     # from the loaded weights; embeddings, norms, routers and the routed experts stay as loaded)
     quantization: Optional[str] = None
     quantize_lm_head: bool = False  # with quantization: the LM head too (kept in full precision by default)
+    # A pre-sharded model= folder (recipe=convert): check each tensor against the manifest's sha256 as it is read
+    verify_checksums: bool = True
 
 
 @dataclass

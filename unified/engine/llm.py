@@ -34,7 +34,8 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
 
     runtime = start_runtime(device, parallel, seed)
     path = resolve_model(model)
-    loaded = load_model(path, runtime.device, runtime.dtype, weights_progress)
+    loaded = load_model(path, runtime.device, runtime.dtype, weights_progress,
+                        verify_checksums=engine.verify_checksums)
     draft = None
     if engine.speculative.method == "draft" and engine.speculative.draft_model:
         draft = load_model(resolve_model(engine.speculative.draft_model), runtime.device, runtime.dtype).model

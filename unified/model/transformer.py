@@ -58,6 +58,22 @@ def stage_layers(num_layers: int, stages: int, stage: int) -> range:
     return range(stage * num_layers // stages, (stage + 1) * num_layers // stages)
 
 
+def stage_holds(name: str, config: ModelConfig, rank: int, size: int) -> bool:
+    """Whether pipeline stage `rank` of `size` builds our parameter `name`: the rule CausalLM and
+    VisionLanguageModel follow below, for code that must know it without building the model (the
+    pre-sharding converter)."""
+    first, last = rank == 0, rank == size - 1
+    top = name.split(".", 1)[0]
+    if top == "layers":
+        return int(name.split(".")[1]) in stage_layers(config.num_layers, size, rank)
+    if top == "embed":
+        return first or (last and config.tie_word_embeddings)
+    if top == "vision":
+        return first
+    assert top in ("norm", "lm_head", "score"), f"no pipeline stage rule for {name}"
+    return last
+
+
 class PipelineStage:
     """This rank's place in the pipeline: its contiguous run of layers and its neighbours."""
 

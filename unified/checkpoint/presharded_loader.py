@@ -1,0 +1,152 @@
+"""Loading a pre-sharded folder (unified/checkpoint/manifest.py): each rank maps its own file and nothing else.
+
+The rank's file holds exactly its parameters, already sliced and fused, in the order they are filled, so
+loading is a copy per parameter from the memory map into the model (no slicing, no concatenation). A
+background thread reads ahead (unified/checkpoint/prefetch.py): it checks each tensor's sha256 as it reads
+it, or with checksums off pages it in, while the caller copies the previous one into its parameter; once
+copied, a tensor's pages are unmapped so that the process does not keep the file resident. Quantized
+folders (converted with engine.quantization=) are read through quantized.dequantizing, as quantized HF
+checkpoints are.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import mmap
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
+
+import torch
+
+from unified.checkpoint.manifest import check_manifest_layout, read_manifest, shard_entry
+from unified.checkpoint.prefetch import prefetched
+from unified.checkpoint.quantized import dequantizing
+from unified.checkpoint.safetensors_io import DTYPES, CheckpointError
+from unified.runtime.layout import Layout
+
+PAGE = mmap.PAGESIZE
+
+
+class _StoredSlice:
+    """What `SafetensorsCheckpoint.get_slice` returns, for one stored tensor of a rank file."""
+
+    def __init__(self, rank_file: "RankFile", name: str):
+        self.rank_file, self.name = rank_file, name
+
+    def get_dtype(self) -> str:
+        return self.rank_file.record(self.name)["dtype"]
+
+    def get_shape(self) -> list[int]:
+        return list(self.rank_file.record(self.name)["shape"])
+
+    def __getitem__(self, index):
+        return self.rank_file.get(self.name)[index]
+
+
+class RankFile:
+    """One rank's file, memory-mapped. `get(name)` is a zero-copy view of a stored tensor, checked against the
+    manifest's sha256 the first time it is read (with `verify`); `param(name)` is one of our parameters as this
+    rank holds it (dequantized if stored quantized). It reads like a SafetensorsCheckpoint (has, get, get_slice,
+    shape, file_of), which is what quantized.dequantizing wraps."""
+
+    def __init__(self, directory: Path, entry: dict, verify: bool, quantization: dict | None = None):
+        self.directory, self.path = Path(directory), Path(directory) / entry["file"]
+        self.tensors, self.params, self.verify = entry["tensors"], entry["params"], verify
+        try:
+            size = self.path.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(f"shard {self.path.name} of the pre-sharded checkpoint {self.directory} is missing; "
+                                  f"copy it again from where the folder was converted, or convert again "
+                                  f"(recipe=convert)") from None
+        if size != entry["bytes"]:
+            raise CheckpointError(f"shard {self.path} has {size} bytes but the manifest says {entry['bytes']}: it is "
+                                  f"truncated or was overwritten; copy it again, or convert again (recipe=convert)")
+        with self.path.open("rb") as f:  # private, copy-on-write: torch wants writable buffers, nothing writes
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        self._bytes = memoryview(self._map) if size else memoryview(b"")
+        self._checked: set[str] = set()  # read once already (and checked, with `verify`)
+        self._reader = dequantizing(self, SimpleNamespace(quantization_config=quantization))
+
+    def record(self, name: str) -> dict:
+        if name not in self.tensors:
+            raise CheckpointError(f"tensor {name!r} is not in {self.path} (manifest.json); the folder is incomplete: "
+                                  f"convert again")
+        return self.tensors[name]
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def file_of(self, name: str) -> Path:
+        self.record(name)
+        return self.path
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.record(name)["shape"])
+
+    def get_slice(self, name: str) -> _StoredSlice:
+        return _StoredSlice(self, name)
+
+    def get(self, name: str) -> torch.Tensor:
+        record = self.record(name)
+        begin, end = record["offsets"]
+        if name not in self._checked and end > begin:
+            # one asynchronous read of the whole range; page faults alone would read it 128 KiB at a time
+            self._map.madvise(mmap.MADV_WILLNEED, begin // PAGE * PAGE, end - begin // PAGE * PAGE)
+        if self.verify and name not in self._checked:
+            if hashlib.sha256(self._bytes[begin:end]).hexdigest() != record["sha256"]:
+                raise CheckpointError(f"tensor {name!r} in {self.path} does not match its sha256 in manifest.json: the "
+                                      f"file is corrupt; copy it again, or convert again (recipe=convert)")
+            self._checked.add(name)
+        elif not self.verify and name not in self._checked:
+            self._bytes[begin:end:PAGE].tobytes()  # one byte a page: the pages come in now, in this thread
+            self._checked.add(name)
+        shape, dtype = record["shape"], DTYPES[record["dtype"]]
+        if begin == end:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(self._map, dtype=dtype, count=math.prod(shape), offset=begin).view(shape)
+
+    def param(self, name: str) -> torch.Tensor:
+        return self._reader.get(name).reshape(self.params[name]["shape"])
+
+    def release(self, name: str) -> None:
+        """Unmaps the whole pages of `name`'s stored tensors (they stay in the page cache, not in this process)."""
+        for stored in self.params[name]["stored"]:
+            begin, end = self.tensors[stored]["offsets"]
+            begin, end = -(-begin // PAGE) * PAGE, end // PAGE * PAGE
+            if end > begin:
+                self._map.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+
+def open_rank_file(directory: Path, layout: Layout, verify: bool) -> RankFile:
+    """This rank's file, after checking that the folder was converted for `layout`."""
+    from megatron.core import parallel_state as ps
+
+    manifest = read_manifest(directory)
+    check_manifest_layout(directory, manifest, layout)
+    entry = shard_entry(directory, manifest, ps.get_pipeline_model_parallel_rank(),
+                        ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank())
+    return RankFile(directory, entry, verify, manifest.get("quantization"))
+
+
+def fill_from_rank_file(rank_file: RankFile, targets: dict[str, torch.Tensor],
+                        progress: Callable[[int, int], None] | None) -> set[str]:
+    """Copies every parameter of the rank's file into `targets` (our parameters and buffers by name)."""
+    names = list(rank_file.params)
+    foreign = [n for n in names if n not in targets]
+    if foreign:
+        raise CheckpointError(f"{rank_file.path} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, "
+                              f"which the model built from {rank_file.directory / 'config.json'} does not have; "
+                              f"config.json and the shards disagree: convert again")
+    for done, (name, tensor) in enumerate(prefetched(names, rank_file.param), start=1):
+        target = targets[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise CheckpointError(f"{name} is {tuple(tensor.shape)} in {rank_file.path} but the model built from "
+                                  f"{rank_file.directory / 'config.json'} expects {tuple(target.shape)}; config.json "
+                                  f"and the shards disagree: convert again")
+        target.copy_(tensor)
+        del tensor
+        rank_file.release(name)
+        if progress:
+            progress(done, len(names))
+    return set(names)
