@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import signal
 import threading
@@ -185,6 +186,8 @@ class LLMEngine:
         else:
             self._warm_up()
             budget = int(accelerator.available_memory() * cfg.kv_cache_memory_fraction)
+            if self.device.type == "cpu":  # the ranks on this host share its memory (LOCAL_SIZE: see runtime)
+                budget //= int(os.environ.get("LOCAL_SIZE", "1"))
         blocks = budget // (per_token * cfg.block_size)
         if blocks < 1:
             raise UserError(f"a KV-cache budget of {budget} bytes holds no {cfg.block_size}-token block "
