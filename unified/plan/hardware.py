@@ -6,6 +6,7 @@ machine: its ranks are processes sharing its memory, read at run time where the 
 """
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -30,7 +31,8 @@ class HardwareConfig:
     interconnect_bytes_s: float  # per card and direction, between cards of a node
     network_bytes_s: float  # per card and direction, between nodes
     cards_per_node: int
-    reserve_bytes: int  # the framework's own resident memory per rank (process, device context), measured
+    # the framework's own resident memory per rank (process, device context), measured; cpu: null measures it
+    reserve_bytes: Optional[int]
     cores: Optional[int] = None  # cpu: the host's cores (null: read at run time)
 
     def flops(self, dtype_bytes: int, fp8_weights: bool = False) -> float:
@@ -43,8 +45,10 @@ def hardware_names() -> list[str]:
     return sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml"))
 
 
-def load_hardware(spec: str) -> HardwareConfig:
-    """`spec`: a name in configs/hardware/ or a path to a YAML file of HardwareConfig's fields."""
+def load_hardware(spec: str, measure_reserve: bool = True) -> HardwareConfig:
+    """`spec`: a name in configs/hardware/ or a path to a YAML file of HardwareConfig's fields. A cpu file's
+    null reserve is measured (`measure_host_reserve`, a few seconds) unless `measure_reserve` is False (the
+    start-up probe measures its own process instead)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -64,8 +68,13 @@ def load_hardware(spec: str) -> HardwareConfig:
     if hardware.kind == "cpu":
         hardware = replace(hardware, memory_bytes=hardware.memory_bytes or available_host_memory(),
                            cores=hardware.cores or os.cpu_count())
+        if hardware.reserve_bytes is None and measure_reserve:
+            hardware = replace(hardware, reserve_bytes=host_reserve())
     if not hardware.memory_bytes:
         raise UserError(f"{path}: memory_bytes is not set; give each card's memory in bytes")
+    if hardware.reserve_bytes is None and hardware.kind != "cpu":
+        raise UserError(f"{path}: reserve_bytes is not set; give the framework's own bytes per card (device "
+                        f"context included), as measured by bench/plan.py")
     return hardware
 
 
@@ -76,6 +85,12 @@ def available_host_memory() -> int:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     raise UserError("cannot read MemAvailable from /proc/meminfo; set memory_bytes in the hardware file")
+
+
+@functools.lru_cache(maxsize=1)
+def host_reserve() -> int:
+    """`measure_host_reserve`, once per process."""
+    return measure_host_reserve()
 
 
 def measure_host_reserve() -> int:

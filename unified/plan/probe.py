@@ -71,7 +71,7 @@ def present_hardware(cfg) -> tuple[HardwareConfig, str]:
     """The hardware file for the device this run is about to use, sized as found, and the device's name."""
     name = cfg.device.name if cfg.device.name != "auto" else detect_device()
     if name == "cpu":
-        hardware = load_hardware("cpu")
+        hardware = load_hardware("cpu", measure_reserve=False)
         own = resident_bytes()  # the framework's share, measured on this very process
         return replace(hardware, reserve_bytes=own, memory_bytes=hardware.memory_bytes + own), "cpu"
     props = (torch.cuda if name == "cuda" else getattr(torch, name)).get_device_properties(0)
