@@ -145,45 +145,37 @@ def test_engine_agrees_across_layouts(tiny_mqa_checkpoint, tmp_path):
             assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(split[request_id], entries)) < 1e-4, layout
 
 
-
-def test_speculative_decoding_under_tensor_parallel_keeps_the_greedy_tokens(tiny_mqa_checkpoint, tmp_path):
-    """n-gram drafts verified on two tensor-parallel ranks: the tokens of one rank without speculation."""
+def _speculation_on_two_ranks_keeps_one_ranks_tokens(model: Path, texts: list[str], tmp_path: Path, *spec: str):
+    """Greedy batch answers to `texts` with speculation (`spec` overrides) on two tensor-parallel ranks: drafts
+    were verified, and the tokens are those of one rank without speculation."""
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt": "one two three four " * (2 + i), "max_tokens": 16,
-                                           "temperature": 0, "logprobs": 1, "ignore_eos": True}) + "\n"
-                               for i in range(4)))
-    common = (f"model={tiny_mqa_checkpoint}", f"input={prompts}", "engine.num_blocks=64", "engine.block_size=4")
-    single = run_cli("recipe=batch", *common, f"output={tmp_path / 'one.jsonl'}")
-    assert single.returncode == 0, single.stderr[-3000:]
-    out = tmp_path / "tp2.jsonl"
-    result = launch("deepspeed", "recipe=batch", *common, f"output={out}", "parallel=tp2",
-                    "engine.speculative.method=ngram", "engine.speculative.prompt_lookup_min=1")
-    drafts = re.search(r"speculative decoding: (\d+) drafts, mean acceptance length", result.stdout + result.stderr)
-    assert drafts and int(drafts.group(1)) > 0
-    reference, split = _batch_logprobs(tmp_path / "one.jsonl"), _batch_logprobs(out)
-    for request_id, entries in reference.items():
-        assert [e["token_id"] for e in split[request_id]] == [e["token_id"] for e in entries]
-
-
-
-def test_mtp_drafts_under_tensor_parallel_keep_the_greedy_tokens(smollm2_checkpoint, tmp_path):
-    """A DeepSeek-V3 with an MTP layer, its drafts made on two tensor-parallel ranks: one rank's tokens."""
-    model = build_mtp_checkpoint(tmp_path / "mtp", tokenizer_from=smollm2_checkpoint)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt": f"Item {i}: " + "alpha beta " * (2 + 3 * i),
-                                           "max_tokens": 14, "temperature": 0, "logprobs": 1, "ignore_eos": True})
-                               + "\n" for i in range(4)))
+    prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt": text, "max_tokens": 16, "temperature": 0,
+                                           "logprobs": 1, "ignore_eos": True}) + "\n" for i, text in enumerate(texts)))
     common = (f"model={model}", f"input={prompts}", "engine.num_blocks=64", "engine.block_size=4")
     single = run_cli("recipe=batch", *common, f"output={tmp_path / 'one.jsonl'}")
     assert single.returncode == 0, single.stderr[-3000:]
     out = tmp_path / "tp2.jsonl"
-    result = launch("deepspeed", "recipe=batch", *common, f"output={out}", "parallel=tp2",
-                    "engine.speculative.method=mtp", "engine.speculative.num_tokens=3")
+    result = launch("deepspeed", "recipe=batch", *common, f"output={out}", "parallel=tp2", *spec)
     drafts = re.search(r"speculative decoding: (\d+) drafts, mean acceptance length", result.stdout + result.stderr)
     assert drafts and int(drafts.group(1)) > 0
     reference, split = _batch_logprobs(tmp_path / "one.jsonl"), _batch_logprobs(out)
     for request_id, entries in reference.items():
         assert [e["token_id"] for e in split[request_id]] == [e["token_id"] for e in entries]
+
+
+def test_speculative_decoding_under_tensor_parallel_keeps_the_greedy_tokens(tiny_mqa_checkpoint, tmp_path):
+    """n-gram drafts verified on two tensor-parallel ranks."""
+    _speculation_on_two_ranks_keeps_one_ranks_tokens(
+        tiny_mqa_checkpoint, ["one two three four " * (2 + i) for i in range(4)], tmp_path,
+        "engine.speculative.method=ngram", "engine.speculative.prompt_lookup_min=1")
+
+
+def test_mtp_drafts_under_tensor_parallel_keep_the_greedy_tokens(smollm2_checkpoint, tmp_path):
+    """A DeepSeek-V3 with an MTP layer, its drafts made on two tensor-parallel ranks."""
+    _speculation_on_two_ranks_keeps_one_ranks_tokens(
+        build_mtp_checkpoint(tmp_path / "mtp", tokenizer_from=smollm2_checkpoint),
+        [f"Item {i}: " + "alpha beta " * (2 + 3 * i) for i in range(4)], tmp_path,
+        "engine.speculative.method=mtp", "engine.speculative.num_tokens=3")
 
 
 def test_serving_on_two_ranks_reports_collectives_reloads_weights_and_stops_cleanly(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from unified.errors import UserError
 from unified.plan.hardware import load_hardware
 from unified.plan.planner import default_context, evaluate, search, setting_for
 from unified.runtime.layout import Layout
@@ -27,12 +28,17 @@ def _changes(layout_plan, requested) -> int:
 
 
 def _fits_with(cfg, plan, dotlist: list[str]) -> bool:
-    """Whether the requested layout fits with `dotlist` applied to the run config."""
+    """Whether the requested layout fits with `dotlist` applied to the run config (False where the change
+    cannot apply to this model at all, such as int4 weights no group size divides)."""
     changed = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
-    s = setting_for(changed, plan.hardware, default_context(changed, plan.config))
     p = changed.parallel
-    kv = "-" if s.mode == "train" else changed.engine.kv_cache_dtype
-    return evaluate(plan.config, Layout(p.tensor, p.pipeline, p.expert), kv, changed.plan.cards, s, plan.hardware).fits
+    try:
+        s = setting_for(changed, plan.hardware, default_context(changed, plan.config))
+        kv = "-" if s.mode == "train" else changed.engine.kv_cache_dtype
+        return evaluate(plan.config, Layout(p.tensor, p.pipeline, p.expert), kv, changed.plan.cards, s,
+                        plan.hardware).fits
+    except UserError:
+        return False
 
 
 def nearest_fixes(cfg, plan) -> list[str]:
