@@ -3,9 +3,9 @@
 Every suggestion is checked by planning again with it applied; none is offered that the planner itself calls
 infeasible. Tried in this order, each alone: the feasible layouts on the same cards (the best, then the one
 fewest changes away), a smaller KV cache dtype, a context the cache holds (engine.max_model_len), a larger
-share of free memory for the cache, training's memory savers (ZeRO-3, optimizer offload, activation
-checkpointing, one row per micro-batch), quantized weights kept as stored, and finally more cards (the fewest,
-doubling, with the best layout there).
+share of free memory for the cache or a smaller explicit budget (engine.kv_cache_bytes), training's memory
+savers (ZeRO-3, optimizer offload, activation checkpointing, one row per micro-batch), quantized weights kept
+as stored, and finally more cards (the fewest, doubling, with the best layout there).
 """
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ def nearest_fixes(cfg, plan) -> list[str]:
             tries.append([f"plan.context={requested.kv_tokens}", f"engine.max_model_len={requested.kv_tokens}"])
         if not plan.setting.engine.kv_cache_bytes and not plan.setting.engine.num_blocks:
             tries.append(["engine.kv_cache_memory_fraction=0.9"])
+        elif plan.setting.engine.kv_cache_bytes and requested.short:
+            tries.append([f"engine.kv_cache_bytes={_kv_budget_that_fits(requested, plan.setting.engine)}"])
         tries += [[f"plan.weights={w}"] for w in ("fp8", "int4") if w != plan.setting.weights]
     else:
         tries += [["train.zero_stage=3"], ["train.zero_stage=3", "train.offload_optimizer=true"],
@@ -67,6 +69,15 @@ def nearest_fixes(cfg, plan) -> list[str]:
             break
         cards *= 2
     return fixes
+
+
+def _kv_budget_that_fits(requested, engine) -> int:
+    """The largest explicit KV-cache budget that leaves the fullest rank within its card: the current one less
+    what that rank lacks, whole blocks (the engine keeps one block more than the budget holds)."""
+    blocks = requested.kv_tokens // engine.block_size
+    per_block = requested.breakdown["kv_cache"] // (blocks + 1) if blocks else 0
+    budget = max(0, engine.kv_cache_bytes - requested.short - per_block)
+    return budget // per_block * per_block if per_block else budget
 
 
 def _with_cards(plan, cards: int):
