@@ -48,14 +48,15 @@ def test_training_refusal_suggests_memory_savers_that_fit(run_config):
 def test_zero_stages_divide_what_they_partition():
     args = dict(params=1000, trainable=1000, largest_unit=100, dtype_bytes=2, dp=4, offload_optimizer=False,
                 offload_params=False)
-    zero0 = training_state_bytes(stage=0, **{**args, "dtype_bytes": 4})[0]
-    assert zero0["parameters"] + zero0["gradients"] + zero0["optimizer"] == 16 * 1000  # 4 + 4 + AdamW's 8
-    zero1 = training_state_bytes(stage=1, **args)[0]
-    assert zero1["parameters"] == zero1["gradients"] == 2000 and zero1["optimizer"] == 16 * 1000 // 4
-    zero3 = training_state_bytes(stage=3, **args)[0]
-    assert zero3["parameters"] == 500 and zero3["gradients"] == 500
-    device, host = training_state_bytes(stage=3, **{**args, "offload_optimizer": True, "offload_params": True})
-    assert "optimizer" not in device and "parameters" not in device and host["optimizer"] == zero3["optimizer"]
+    always, _, step, _ = training_state_bytes(stage=0, **{**args, "dtype_bytes": 4})
+    assert always["parameters"] + step["gradients"] + always["optimizer"] == 16 * 1000  # 4 + 4 + AdamW's 8
+    always, _, step, _ = training_state_bytes(stage=1, **args)
+    assert always["parameters"] == step["gradients"] == 2000 and always["optimizer"] == 16 * 1000 // 4
+    always, backward, _, _ = training_state_bytes(stage=3, **args)
+    assert always["parameters"] == 500 and always["gradients"] == 4 * 1000 // 4  # float32 gradient partitions
+    assert backward["zero3_gathered"] == 2000  # a small model stays gathered from forward to backward
+    device, _, _, host = training_state_bytes(stage=3, **{**args, "offload_optimizer": True, "offload_params": True})
+    assert "optimizer" not in device and "parameters" not in device and host["optimizer"] == always["optimizer"]
 
 
 def test_a_model_that_cannot_fit_exits_2_with_fixes_and_writes_plan_json(tmp_path):

@@ -19,14 +19,22 @@ then the step's logits: this rank's vocabulary slice and the gathered whole for 
 engine.max_num_seqs), and the sampler's float32 copy: rows (V_l + V) d + 2 rows V 4. A vision-language model
 adds the engine's image cache (engine.image_cache_bytes).
 
-Training keeps what backward needs. Per layer: the layer's input (T H, or T H / tp with sequence parallel), the
-two norms' inputs and outputs, every linear's input (T H gathered under sequence parallel), the projections'
-outputs that activation functions, rotary and attention save, the attention output and its log-sum-exp; MoE
-layers the routed rows as above. Attention itself runs through flash or memory-efficient kernels and stores
-no [S, S] scores, only the packed rows' boolean mask B S^2 once. With train.activation_checkpointing each layer
-keeps only its input, and one layer's whole set lives again while it is recomputed. The loss adds the target
-rows' logits: T V_l (d + 4 + 8) (the logits, their float32 copy unless already float32, the log-softmax
-cross-entropy saves and the logits' gradient).
+Training keeps what backward needs, as autograd saves it in our forward (counted tensor by tensor with
+torch.autograd.graph.saved_tensors_hooks on SmolLM2: 12,138 values per token and layer, this count to the value).
+Per layer: the layer's input, the residual between its blocks and the two norms' outputs, 4 T H (under sequence
+parallel 4 T H / tp, plus the column-parallel linears' gathered inputs 2 T H); GQA attention the projection's
+output T qkv_l (v is a view of it), q and k rotated together T (heads_l + kv_l) D, the attention kernel's own
+copy of q, its output and o_proj's input, 3 T heads_l D, and the float32 log-sum-exp T heads_l 4; the dense MLP
+the gate/up output, the activation and the product, 4 T I_l; MoE layers the routed rows as above. Attention
+runs through flash or memory-efficient kernels and stores no [S, S] scores; packed rows (train.packing, where a
+row may hold several examples) add their boolean mask B S^2 once and, per layer, the additive mask that
+scaled_dot_product_attention makes of it in the compute dtype, B S^2 d (on its CPU kernel). With
+train.activation_checkpointing each layer keeps only its input, and one layer's whole set lives again while it
+is recomputed. The last stage adds the final norm's input and output 2 T H, and the loss the target rows'
+logits: T V_l (d + 4 + 8) (the logits, their float32 copy unless already float32, and in backward the
+log-softmax's saved output with its gradient and the logits' gradient); every token is counted as a target
+(rows full of targets: the plan cannot know how much of other data is prompt or padding). MLA training is
+counted from its projections as the docstring of `_attention_train` says, not yet checked tensor by tensor.
 """
 from __future__ import annotations
 
@@ -53,13 +61,15 @@ def _attention_serve(c: ModelConfig, t: int, s: Shards) -> int:
 
 
 def _attention_train(c: ModelConfig, t: int, s: Shards) -> int:
-    h = c.hidden_size
+    """Values per layer that attention saves for backward, besides its input (counted with the norms)."""
     if c.mla is None:
-        qkv = (c.num_heads + 2 * max(c.num_kv_heads, s.tp)) * c.head_dim // s.tp
-        return t * (h + 2 * qkv + c.num_heads // s.tp * c.head_dim)  # input, qkv, rotated q k with v, output
+        kv = max(c.num_kv_heads, s.tp) // s.tp
+        heads = c.num_heads // s.tp
+        qkv = (heads + 2 * kv) * c.head_dim
+        return t * (qkv + (heads + kv) * c.head_dim + 3 * heads * c.head_dim + heads)  # + log-sum-exp (float32)
     m, heads = c.mla, c.num_heads // s.tp
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    return t * (h + 2 * (m.q_lora_rank or 0) + 2 * heads * qk + (m.kv_lora_rank + m.qk_rope_head_dim)
+    return t * (2 * (m.q_lora_rank or 0) + 2 * heads * qk + (m.kv_lora_rank + m.qk_rope_head_dim)
                 + 2 * m.kv_lora_rank + heads * (m.qk_nope_head_dim + m.v_head_dim) + heads * qk
                 + heads * m.v_head_dim)
 
@@ -68,8 +78,8 @@ def _mlp(c: ModelConfig, layer: int, t: int, s: Shards, dtype_bytes: int, expert
          training: bool) -> int:
     """Bytes of the MLP block's live (serving) or saved (training) tensors."""
     h, d = c.hidden_size, dtype_bytes
-    if not c.is_moe_layer(layer):
-        return t * (3 * c.intermediate_size // s.tp + h) * d
+    if not c.is_moe_layer(layer):  # training: gate/up, activation, product; serving: gate/up, product, output
+        return t * (4 * c.intermediate_size // s.tp if training else 3 * c.intermediate_size // s.tp + h) * d
     moe = c.moe
     local = moe.num_experts // s.ep
     seen = s.ep * t  # tokens this rank's experts look at
@@ -97,22 +107,24 @@ def serve_step_bytes(c: ModelConfig, layers: range, tokens: int, rows: int, s: S
 
 
 def train_step_bytes(c: ModelConfig, layers: range, batch: int, seq_len: int, s: Shards, dtype_bytes: int,
-                     expert_load: float, last_stage: bool, checkpointing: bool, sequence_parallel: bool) -> int:
+                     expert_load: float, last_stage: bool, checkpointing: bool, sequence_parallel: bool,
+                     packed: bool = True) -> int:
     d, h, t = dtype_bytes, c.hidden_size, batch * seq_len
     h_sp = h // s.tp if sequence_parallel else h
+    masks = batch * seq_len * seq_len * d if packed else 0  # the additive mask each layer's attention keeps
 
     def layer_saved(layer: int) -> int:
-        norms = 3 * t * h_sp  # the layer's input and the two norms' outputs (their inputs are those, or kept sums)
-        return (norms + _attention_train(c, t, s)) * d + _mlp(c, layer, t, s, d, expert_load, True)
+        residuals = 4 * t * h_sp + (2 * t * h if sequence_parallel else 0)
+        return (residuals + _attention_train(c, t, s)) * d + masks + _mlp(c, layer, t, s, d, expert_load, True)
 
     distinct = _distinct(c, layers)
     if checkpointing:
         total = len(layers) * t * h_sp * d + max(layer_saved(layer) for layer in distinct)
     else:
         total = sum(layer_saved(layer) for layer in layers)
-    total += batch * seq_len * seq_len  # the packed rows' attention mask (bool)
+    total += batch * seq_len * seq_len if packed else 0  # the packed rows' boolean mask
     if last_stage:
-        total += t * (c.vocab_size // s.tp) * (d + (0 if d == 4 else 4) + 8)
+        total += 2 * t * h * d + t * (c.vocab_size // s.tp) * (d + (0 if d == 4 else 4) + 8)
     return total
 
 

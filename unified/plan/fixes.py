@@ -3,9 +3,9 @@
 Every suggestion is checked by planning again with it applied; none is offered that the planner itself calls
 infeasible. Tried in this order, each alone: the feasible layouts on the same cards (the best, then the one
 fewest changes away), a smaller KV cache dtype, a context the cache holds (engine.max_model_len), a larger
-share of free memory for the cache (for an explicit budget, the one that fits), training's memory savers
-(ZeRO-3, optimizer offload, activation checkpointing, one row per micro-batch), quantized weights kept as
-stored, and finally more cards (the fewest, doubling, with the best layout there; for a CPU host, whose
+share of free memory for the cache or a smaller explicit budget (engine.kv_cache_bytes), training's memory
+savers (ZeRO-3, optimizer offload, activation checkpointing, one row per micro-batch), quantized weights kept
+as stored, and finally more cards (the fewest, doubling, with the best layout there; for a CPU host, whose
 processes share its memory, accelerators' cards).
 """
 from __future__ import annotations
@@ -58,9 +58,8 @@ def nearest_fixes(cfg, plan) -> list[str]:
             tries.append([f"plan.context={requested.kv_tokens}", f"engine.max_model_len={requested.kv_tokens}"])
         if not plan.setting.engine.kv_cache_bytes and not plan.setting.engine.num_blocks:
             tries.append(["engine.kv_cache_memory_fraction=0.9"])
-        room = requested.budget - (requested.peak - requested.breakdown.get("kv_cache", 0))
-        if plan.setting.engine.kv_cache_bytes and requested.short and room > 2 ** 20:
-            tries.append([f"engine.kv_cache_bytes={room // 2 ** 20 * 2 ** 20}"])  # the cache the rest leaves room for
+        elif plan.setting.engine.kv_cache_bytes and requested.short:
+            tries.append([f"engine.kv_cache_bytes={_kv_budget_that_fits(requested, plan.setting.engine)}"])
         tries += [[f"plan.weights={w}"] for w in ("fp8", "int4") if w != plan.setting.weights]
     else:
         tries += [["train.zero_stage=3"], ["train.zero_stage=3", "train.offload_optimizer=true"],
@@ -86,3 +85,12 @@ def _fewest_cards(plan, hardware, setting, cards: int) -> list[str]:
             return [f"plan.cards={cards} {found[0].overrides}"]
         cards *= 2
     return []
+
+
+def _kv_budget_that_fits(requested, engine) -> int:
+    """The largest explicit KV-cache budget that leaves the fullest rank within its card: the current one less
+    what that rank lacks, whole blocks (the engine keeps one block more than the budget holds)."""
+    blocks = requested.kv_tokens // engine.block_size
+    per_block = requested.breakdown["kv_cache"] // (blocks + 1) if blocks else 0
+    budget = max(0, engine.kv_cache_bytes - requested.short - per_block)
+    return budget // per_block * per_block if per_block else budget

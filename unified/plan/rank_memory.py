@@ -6,6 +6,8 @@ Serving sizes the KV cache as the engine does (unified/engine/llm_engine.py `_ca
 else engine.kv_cache_bytes, else engine.kv_cache_memory_fraction of the memory left after everything else;
 every pipeline stage keeps the smallest stage's block count (the ranks agree on it), plus one scratch block.
 The engine's cache keeps every block of a sequence, sliding window or not, so windows do not cap it.
+Every rank of a run also loads the checkpoint's tokenizer (the engine's and the trainer's first step after
+the imports), which `tokenizer_bytes` counts.
 """
 from __future__ import annotations
 
@@ -24,6 +26,14 @@ from unified.plan.weight_bytes import engine_copy_bytes, weight_bytes
 from unified.runtime.layout import Layout
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Resident bytes per vocabulary entry of a loaded `transformers` fast tokenizer (the Rust vocabulary and merges and
+# their Python views): SmolLM2's 49,152-entry tokenizer (a 3.5 MB tokenizer.json) adds 58.9 MB to a fresh
+# process's VmRSS (AutoTokenizer.from_pretrained after importing torch, transformers and our engine).
+TOKENIZER_BYTES_PER_ENTRY = 1200
+
+
+def tokenizer_bytes(config: ModelConfig) -> int:
+    return config.vocab_size * TOKENIZER_BYTES_PER_ENTRY
 
 
 @dataclass(frozen=True)
@@ -94,7 +104,7 @@ def serve_breakdowns(config: ModelConfig, layout: Layout, kv_dtype: str, s: Sett
     for stage in range(layout.pipeline):
         tensors = stage_tensors(config, layout, stage)
         last = stage == layout.pipeline - 1
-        parts = {"reserve": s.reserve, **_weights(config, tensors, s, last)}
+        parts = {"reserve": s.reserve, "tokenizer": tokenizer_bytes(config), **_weights(config, tensors, s, last)}
         layers = stage_layers(config.num_layers, layout.pipeline, stage)
         parts["activations"] = serve_step_bytes(config, layers, tokens, rows, shards, d, s.expert_load, last,
                                                 e.image_cache_bytes if stage == 0 else 0)
@@ -122,14 +132,16 @@ def train_breakdown(config: ModelConfig, layout: Layout, cards: int, s: Setting)
     trainable = _trainable(config, tensors, t)
     dp = layout.data(cards)
     stage = resolve_zero_stage(t, dp)
-    device, host = training_state_bytes(params, trainable, _largest_unit(tensors), d, stage, dp,
-                                        t.offload_optimizer, t.offload_params)
+    always, backward, step, host = training_state_bytes(
+        params, trainable, _largest_unit(tensors), d, stage, dp, t.offload_optimizer, t.offload_params,
+        min(trainable, max((x.numel for x in tensors if not x.buffer), default=0)), t.gradient_accumulation_steps)
     buffers = sum(x.numel * (4 if x.float32 else d) for x in tensors if x.buffer)
-    device = {"reserve": s.reserve, **device, "buffers": buffers}
-    device["activations"] = train_step_bytes(config, range(config.num_layers), t.micro_batch_size, s.context,
-                                             Shards(layout.tensor, 1), d, s.expert_load, True,
-                                             t.activation_checkpointing, t.sequence_parallel and layout.tensor > 1)
-    return device, host
+    backward["activations"] = train_step_bytes(config, range(config.num_layers), t.micro_batch_size, s.context,
+                                               Shards(layout.tensor, 1), d, s.expert_load, True,
+                                               t.activation_checkpointing, t.sequence_parallel and layout.tensor > 1,
+                                               t.packing)
+    fullest = max(backward, step, key=lambda moment: sum(moment.values()))  # (training.py: a step's two moments)
+    return {"reserve": s.reserve, "tokenizer": tokenizer_bytes(config), **always, "buffers": buffers, **fullest}, host
 
 
 def _trainable(config: ModelConfig, tensors: tuple[RankTensor, ...], t) -> int:

@@ -15,8 +15,10 @@ def gib(n: float) -> str:
 
 def _row(p: LayoutPlan, mode: str) -> str:
     parts = p.breakdown
-    weights = sum(v for k, v in parts.items() if k in ("weights", "weight_scales", "engine_copies", "parameters"))
-    state = sum(v for k, v in parts.items() if k in ("gradients", "optimizer", "reduce_bucket", "zero3_gathered"))
+    weight_keys = ("weights", "weight_scales", "engine_copies", "parameters")
+    weights = sum(v for k, v in parts.items() if k in weight_keys)
+    state = sum(v for k, v in parts.items()  # gradients, optimizer state and DeepSpeed's buffers (training.py)
+                if k not in (*weight_keys, "reserve", "tokenizer", "buffers", "activations", "kv_cache"))
     middle = f"{gib(parts.get('kv_cache', 0)):>8}" if mode == "serve" else f"{gib(state):>8}"
     return (f"{p.layout.tensor:>3} {p.layout.pipeline:>3} {p.layout.expert:>3} {p.kv_cache_dtype:>5} "
             f"{gib(weights):>9} {middle} {gib(parts.get('activations', 0)):>8} {gib(p.peak):>8} "

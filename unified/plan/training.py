@@ -1,43 +1,73 @@
-"""Gradients and optimizer state per rank under DeepSpeed ZeRO 0/1/2/3 and offload, as unified/train/engine.py
-configures it: AdamW (two float32 moments per trainable parameter), float32 on CPU and bf16 on accelerators.
+"""Gradients, optimizer state and DeepSpeed's buffers per rank under ZeRO 0/1/2/3 and offload, as
+unified/train/engine.py configures DeepSpeed 0.19 (AdamW: two float32 moments per trainable parameter; float32
+on CPU, bf16 on accelerators; DeepSpeed's default bucket sizes), read from its code and checked against measured
+peaks by bench/plan.py.
 
-Per rank, with P parameters on the rank (its tensor-parallel shard), T of them trainable, d bytes per value of the
-compute dtype and N data-parallel ranks:
-  parameters    P d; ZeRO-3: P d / N, plus the gathered working set (below); offload_params: on the host
-  gradients     stage 0/1: T d; stage 2/3: T d / N
-  optimizer     moments 8 T; float32 at stage 0: torch's AdamW alone, unpartitioned. Otherwise DeepSpeed's ZeRO
-                optimizer (stage >= 1) or its bf16 optimizer (stage 0 in bf16, partitioned as ZeRO-1) holds
-                the moments 8 T / N, a float32 master copy 4 T / N and, in bf16, float32 gradient partitions
-                4 T / N; offload_optimizer: all of this on the host
-  buckets       stage 1/2: the gradient reduce bucket, reduce_bucket_size (5e8) elements at most, of which only
-                the part gradients fill is ever touched: min(5e8, T) d
-  ZeRO-3 set    the gathered parameters of the largest layer (decoder layer, embedding or head) and of the
-                one prefetched after it: 2 x largest x d
-This is DeepSpeed's accounting as we read its code (the ZeRO paper counts 2 + 2 + 12 bytes per parameter),
-not a measurement;
-bench/plan.py (the lead's) checks it against measured peaks.
+A step has two fullest moments, and the plan takes the larger: the start of backward, when every activation is
+alive (unified/plan/activations.py) and no gradient yet (DeepSpeed sets them to None after each step; with
+gradient accumulation the earlier micro-batches' gradients are alive), and the end of backward through the
+optimizer step, when the activations are gone and the gradients and the step's buffers are alive. Per rank, with
+P parameters on the rank (its tensor-parallel shard), T of them trainable, d bytes per value of the compute
+dtype, N data-parallel ranks and R = DeepSpeed's reduce/all-reduce bucket, min(5e8, T) elements:
+  always       parameters P d (ZeRO-3: P d / N; offload_params: on the host); optimizer state: stage 0 in float32
+               torch's AdamW, 8 T; otherwise DeepSpeed's ZeRO (or, stage 0 in bf16, its bf16) optimizer: moments
+               8 T / N and a float32 master copy of the partition 4 T / N (stages 1/2 clone it even from float32
+               weights; ZeRO-3 in float32 steps the partition itself), in bf16 also float32 gradient partitions
+               4 T / N; offload_optimizer: these on the host. ZeRO-3 also keeps its float32 gradient partition
+               4 T / N and its reduce bucket R d for good.
+  backward     the activations; ZeRO-3's gathered parameters: every layer whose next use is within
+               stage3_max_reuse_distance (1e9) fetched elements stays gathered from forward to backward, which
+               is all of a model under 5e8 parameters (min(P, 5e8 + 2 largest layers) d).
+  step         stage 0: the gradients T d, and with N > 1 the flat all-reduce bucket R d; stage 1: the gradients
+               T d, then the reduce bucket R d and the partition's gradients T d / N; stage 2: the reduce bucket
+               R d (gradients are copied into it as backward makes them) and the partition's gradients T d / N;
+               stages 1-3 flatten the partition's gradients into a new float32 tensor for the step, 4 T / N
+               (stages 1/2 in bf16 keep theirs, counted above). AdamW (CPU: one tensor at a time) makes a
+               temporary the size of the largest tensor it steps: a parameter at stage 0, the whole flat float32
+               partition under ZeRO, 4 T / N.
+The ZeRO paper counts 2 + 2 + 12 bytes per parameter in mixed precision; DeepSpeed's own buffers add the rest.
 """
 from __future__ import annotations
 
-REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements)
+REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size and allgather_bucket_size (elements)
+MAX_REUSE_DISTANCE = 1_000_000_000  # DeepSpeed's default stage3_max_reuse_distance (elements)
 
 
 def training_state_bytes(params: int, trainable: int, largest_unit: int, dtype_bytes: int, stage: int, dp: int,
-                         offload_optimizer: bool, offload_params: bool) -> tuple[dict[str, int], dict[str, int]]:
-    """(on the device, on the host) bytes of parameters, gradients, optimizer state and ZeRO's buffers."""
-    device: dict[str, int] = {}
+                         offload_optimizer: bool, offload_params: bool, largest_tensor: int = 0,
+                         accumulation: int = 1) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """(always, at the start of backward besides the activations, at the optimizer step) device bytes, and the
+    host bytes offload keeps, of parameters, gradients, optimizer state and DeepSpeed's buffers."""
+    always: dict[str, int] = {}
+    backward: dict[str, int] = {}
+    step: dict[str, int] = {}
     host: dict[str, int] = {}
-    d = dtype_bytes
-    params_bytes = params * d // dp if stage == 3 else params * d
-    (host if offload_params else device)["parameters"] = params_bytes
+    d, t, n = dtype_bytes, trainable, dp
+    bucket = min(REDUCE_BUCKET, t) * d
+    (host if offload_params else always)["parameters"] = params * d // n if stage == 3 else params * d
+    zero = stage >= 1 or d != 4  # DeepSpeed's bf16 optimizer partitions as ZeRO-1 does, even at stage 0
+    moments = 8 * t // n if zero else 8 * t
+    master = 4 * t // n if zero and not (stage == 3 and d == 4) else 0
+    fp32_grads = 4 * t // n if zero and d != 4 else 0
+    optimizer = host if offload_optimizer else always
+    optimizer["optimizer"] = moments + master + fp32_grads
     if stage == 3:
-        device["zero3_gathered"] = 2 * largest_unit * d
-    device["gradients"] = trainable * d // dp if stage >= 2 else trainable * d
-    partitioned = stage >= 1 or d != 4  # DeepSpeed's bf16 optimizer partitions as ZeRO-1 does, even at stage 0
-    moments = 8 * trainable // dp if partitioned else 8 * trainable
-    master = 4 * trainable // dp if partitioned else 0
-    fp32_grads = 4 * trainable // dp if partitioned and d != 4 else 0
-    (host if offload_optimizer else device)["optimizer"] = moments + master + fp32_grads
-    if stage in (1, 2):
-        device["reduce_bucket"] = min(REDUCE_BUCKET, trainable) * d
-    return device, host
+        always["gradients"] = 4 * t // n
+        always["reduce_bucket"] = bucket
+        backward["zero3_gathered"] = min(params, MAX_REUSE_DISTANCE // 2 + 2 * largest_unit) * d
+    elif stage == 2:
+        step |= {"gradients": t * d // n, "reduce_bucket": bucket}
+    else:
+        step["gradients"] = t * d
+        if stage == 1:
+            step |= {"reduce_bucket": bucket, "gradient_partition": t * d // n}
+        elif n > 1:
+            step["reduce_bucket"] = bucket
+    if accumulation > 1 and "gradients" in step:  # the earlier micro-batches' gradients wait through backward
+        backward["gradients"] = step["gradients"]
+    if not offload_optimizer:
+        flat = 4 * t // n
+        if stage == 3 or (zero and d == 4):  # (stages 1/2 in bf16: the optimizer's float32 gradients above)
+            step["float32_gradients"] = flat
+        step["optimizer_workspace"] = flat if zero else 4 * largest_tensor
+    return always, backward, step, host
