@@ -75,7 +75,11 @@ def measure(ranks: int, overrides: list[str], cwd: Path, env: dict) -> list[dict
     """Each rank's `measured:` line."""
     run = subprocess.run(command(ranks, overrides), cwd=cwd, capture_output=True, text=True,
                          env={**os.environ, **ENV, **env}, timeout=3600)
-    lines = [json.loads(line.split(PREFIX, 1)[1]) for line in run.stdout.splitlines() if PREFIX in line]
+    decoder, lines, at = json.JSONDecoder(), [], run.stdout.find(PREFIX)
+    while at >= 0:  # ranks share the launcher's stdout: their lines may run together
+        result, end = decoder.raw_decode(run.stdout, at + len(PREFIX))
+        lines.append(result)
+        at = run.stdout.find(PREFIX, end)
     if run.returncode or len(lines) != ranks:
         raise RuntimeError(f"{' '.join(overrides)} exited with {run.returncode}:\n{run.stdout[-2000:]}\n"
                            f"{run.stderr[-3000:]}")
@@ -100,6 +104,10 @@ def build_moe(path: Path) -> Path:
 def cases(args, tmp: Path) -> list[tuple[str, int, list[str], dict]]:
     serve = ["model=smollm2", "device.name=cpu", f"engine.kv_cache_bytes={KV_BUDGET}"]
     out: list[tuple[str, int, list[str], dict]] = []
+    if "moe" in args.only:
+        moe = build_moe(tmp / "moe")
+        out.append(("serve small MoE, EP=2", 2, [f"model={moe}", "device.name=cpu", "parallel.expert=2",
+                                                 f"engine.kv_cache_bytes={KV_BUDGET // 4}"], {}))
     if "serve" in args.only:
         out += [("serve smollm2, packed weights", 1, serve, {}),
                 ("serve smollm2, plain weights", 1, [*serve, "engine.packed_weights=false"], {}),
@@ -116,10 +124,6 @@ def cases(args, tmp: Path) -> list[tuple[str, int, list[str], dict]]:
                         f"output={tmp / f'sft-{ranks}-{stage}{bool(env)}'}", f"steps={args.steps}",
                         f"train.seq_len={args.seq_len}", f"train.micro_batch_size={micro}",
                         f"train.zero_stage={stage}", "train.wandb=disabled"], env))
-    if "moe" in args.only:
-        moe = build_moe(tmp / "moe")
-        out.append(("serve small MoE, EP=2", 2, [f"model={moe}", "device.name=cpu", "parallel.expert=2",
-                                                 f"engine.kv_cache_bytes={KV_BUDGET // 4}"], {}))
     return out
 
 

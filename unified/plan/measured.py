@@ -133,7 +133,8 @@ def main(argv: list[str]) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     _, overrides = _split_argv(argv)  # drops the --local_rank the deepspeed launcher adds
     result = measure(overrides)
-    print(PREFIX + json.dumps(result), flush=True)
+    sys.stdout.write(PREFIX + json.dumps(result) + "\n")  # one write: ranks of a launch share its stdout
+    sys.stdout.flush()
     from unified.runtime import shutdown_distributed
 
     shutdown_distributed(wait_for_peers=True)

@@ -26,6 +26,9 @@ dtype, N data-parallel ranks and R = DeepSpeed's reduce/all-reduce bucket, min(5
                temporary the size of the largest tensor it steps: a parameter at stage 0, the whole flat float32
                partition under ZeRO, 4 T / N.
 The ZeRO paper counts 2 + 2 + 12 bytes per parameter in mixed precision; DeepSpeed's own buffers add the rest.
+These are the live tensors. A process on CPU may hold more: glibc keeps freed blocks under its mmap threshold
+(which rises with the blocks freed, up to 32 MiB) in its heap, so the activations freed in backward stay resident
+while ZeRO's large buffers (mappings of their own) are made at the step; bench/plan.py measures both ways.
 """
 from __future__ import annotations
 
