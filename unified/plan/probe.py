@@ -1,8 +1,9 @@
 """The start-up probe: before a recipe reads a tensor, the plan for the devices actually present.
 
 Every recipe that loads a model runs it first (unified/cli.py), on the model's configuration alone (a
-configuration-only name is never resolved to weights). When the run's layout cannot run or its ranks' bytes
-exceed their memory, the run stops with the plan's table and its nearest fixes (exit 2), unless
+configuration-only name is never resolved to weights; a model whose configuration cannot be read, or a layout
+that breaks the layout rules, is left to the job, which names the problem). When the ranks' bytes exceed
+their memory, the run stops with the plan's table and its nearest fixes (exit 2), unless
 `plan.probe=warn` (log it and go on) or `off`. A configuration-only name that would fit stops with "no
 weights". A KV cache too small for one sequence of the full context is only a warning: the engine then caps
 the context, as it says. Otherwise the prediction for this rank is recorded for the engine and the trainer
@@ -22,7 +23,7 @@ from dataclasses import replace
 import torch
 from omegaconf import OmegaConf
 
-from unified.checkpoint.shipped import is_config_only, require_weights
+from unified.checkpoint.shipped import is_config_only, model_config_of, require_weights
 from unified.errors import UserError
 from unified.plan.hardware import HardwareConfig, hardware_names, load_hardware
 from unified.plan.planner import plan_for
@@ -45,11 +46,17 @@ def probe(cfg) -> None:
         raise UserError(f"plan.probe={setting!r}; choose on, warn or off")
     if setting == "off" or cfg.job not in MODES:
         return
+    try:
+        config = model_config_of(cfg.model)
+    except UserError:  # no readable configuration: the job reports that in its own words
+        return
     hardware, device = present_hardware(cfg)
     cards = int(os.environ.get("WORLD_SIZE", "1"))
-    plan = plan_for(OmegaConf.merge(cfg, {"plan": {"mode": MODES[cfg.job], "cards": cards}}), hardware)
+    plan = plan_for(OmegaConf.merge(cfg, {"plan": {"mode": MODES[cfg.job], "cards": cards}}), hardware, config)
     requested = plan.requested
-    if not requested.problems and not requested.short and not requested.fits:  # the engine caps the context
+    if requested.problems:  # an impossible layout: the job's own layout check names it
+        return
+    if not requested.short and not requested.fits:  # the engine caps the context
         log.warning("start-up probe: the KV cache will hold %d tokens, less than one %d-token sequence; sequences "
                     "stop there (unified recipe=plan shows the fixes)", requested.kv_tokens, plan.context)
     elif not requested.fits:

@@ -12,7 +12,6 @@ forms a world of one in this process if there is none (as a run without a launch
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -39,7 +38,9 @@ class RankPlaces:
     expert: Place
 
 
-_PLACES: contextvars.ContextVar[RankPlaces | None] = contextvars.ContextVar("unified_rank_places", default=None)
+# A plain module variable, not a ContextVar: torch.compile traces the model's reads of it (a ContextVar's get
+# breaks its graph), and meta builds happen on one thread.
+_places: RankPlaces | None = None
 
 
 @contextlib.contextmanager
@@ -49,20 +50,21 @@ def placed_as(tensor: Place = Place(1, 0), pipeline: Place = Place(1, 0), expert
         assert 0 <= place.index < place.ranks, f"{name} rank {place.index} outside a group of {place.ranks}"
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    token = _PLACES.set(RankPlaces(tensor, pipeline, expert))
+    global _places
+    outer, _places = _places, RankPlaces(tensor, pipeline, expert)
     try:
         yield
     finally:
-        _PLACES.reset(token)
+        _places = outer
 
 
 def placed() -> bool:
     """Whether modules are being built for a place of another layout (`placed_as`), not for this run's groups."""
-    return _PLACES.get() is not None
+    return _places is not None
 
 
 def tensor_group():
-    places = _PLACES.get()
+    places = _places
     if places is not None:
         return places.tensor
     from megatron.core import parallel_state
@@ -71,7 +73,7 @@ def tensor_group():
 
 
 def pipeline_group():
-    places = _PLACES.get()
+    places = _places
     if places is not None:
         return places.pipeline
     from megatron.core import parallel_state
@@ -80,7 +82,7 @@ def pipeline_group():
 
 
 def expert_group():
-    places = _PLACES.get()
+    places = _places
     if places is not None:
         return places.expert
     from megatron.core import parallel_state
