@@ -335,7 +335,8 @@ class LLMEngine:
         self.release_followers()
         if self.speculator is not None:
             self.speculator.log_progress(final=True)
-        log_against_plan("over the run", self.device)
+        log_against_plan("over the run (the plan counts the whole KV cache; a short run may not have committed it)",
+                         self.device)
 
     # Requests ---------------------------------------------------------------------------------------
 
