@@ -195,7 +195,7 @@ def test_smollm2_repeating_a_paragraph_gives_the_same_greedy_text_in_fewer_steps
 
 
 def test_the_counters_reach_metrics():
-    from unified.engine.llm_engine import EngineStats
+    from unified.engine.outputs import EngineStats
     from unified.engine.speculative import SpecDecodeStats
     from unified.serve.metrics import ServerMetrics
 

@@ -6,7 +6,7 @@ import asyncio
 import json
 from types import SimpleNamespace
 
-from unified.engine.llm_engine import CompletionOutput, RequestOutput
+from unified.engine.outputs import CompletionOutput, RequestOutput
 from unified.engine.sampler import TokenLogprob
 from unified.serve.async_engine import Delta, Update
 from unified.serve.detokenizer import IncrementalDetokenizer

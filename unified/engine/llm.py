@@ -10,7 +10,8 @@ from unified.checkpoint import load_model
 from unified.checkpoint.builtin import resolve_model
 from unified.checkpoint.mtp import load_mtp_layer
 from unified.config.schema import DeviceConfig, EngineConfig, ParallelConfig, SpeculativeConfig
-from unified.engine.llm_engine import LLMEngine, RequestOutput
+from unified.engine.llm_engine import LLMEngine
+from unified.engine.outputs import RequestOutput
 from unified.engine.sampling_params import SamplingParams
 from unified.runtime import start_runtime
 

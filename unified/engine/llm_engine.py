@@ -24,12 +24,13 @@ from unified.engine.decode_graphs import DecodeGraphs, unsupported_reason
 from unified.engine.kv_cache import CacheShape, KVCache, kv_bits_of
 from unified.engine.model_runner import ImagesFailed, ModelRunner
 from unified.engine.mtp import MTPForward
+from unified.engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from unified.engine.multimodal import MultimodalPrompt, multimodal_prompt
-from unified.engine.sampler import TokenLogprob, prompt_logprob_entry, sample
+from unified.engine.sampler import prompt_logprob_entry, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
-from unified.engine.speculative import SpecDecodeStats, cache_layers, speculator_for
+from unified.engine.speculative import cache_layers, speculator_for
 from unified.engine.trainer_link import COMMANDS as TRAINER_COMMANDS, TrainerLink
 from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
 from unified.errors import UserError
@@ -38,44 +39,6 @@ from unified.runtime.host_memory import retain_freed_host_memory
 from unified.runtime.memory_report import log_against_plan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int = 0
-    error: str | None = None  # the request failed in the engine: its outputs end with finish_reason "error"
-    prompt_logprobs: list | None = None  # with SamplingParams.prompt_logprobs: None, then a TokenLogprob per token
-
-
-@dataclass
-class EngineStats:
-    running_requests: int
-    waiting_requests: int
-    used_blocks: int
-    total_blocks: int
-    fragmentation: float  # allocated-but-unfilled slots over allocated slots
-    prefix_hit_rate: float  # prompt tokens found in the prefix cache over tokens looked up
-    preemptions: int
-    prefix_queried_tokens: int = 0  # since the last reset of the prefix cache (warm-up, weight swap)
-    prefix_hit_tokens: int = 0
-    spec: SpecDecodeStats | None = None  # speculative decoding's counters since start, when it is on
-
-    @property
-    def kv_usage(self) -> float:
-        return self.used_blocks / self.total_blocks
 
 
 @dataclass

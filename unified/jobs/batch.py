@@ -18,7 +18,7 @@ from pathlib import Path
 
 from unified.chat import chat_prompt, content_images
 from unified.engine.llm import LLM
-from unified.engine.llm_engine import RequestOutput
+from unified.engine.outputs import RequestOutput
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.errors import UserError
 

@@ -18,7 +18,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from unified.engine.llm_engine import LLMEngine, RequestOutput
+from unified.engine.llm_engine import LLMEngine
+from unified.engine.outputs import RequestOutput
 from unified.engine.sampler import TokenLogprob
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.errors import UserError

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from unified.serve.tools import parse_tool_calls
 
 if TYPE_CHECKING:
-    from unified.engine.llm_engine import CompletionOutput, RequestOutput
+    from unified.engine.outputs import CompletionOutput, RequestOutput
     from unified.engine.sampler import TokenLogprob
 
 LOGPROB_FLOOR = -9999.0

@@ -13,7 +13,7 @@ from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, Inf
                                generate_latest)
 
 if TYPE_CHECKING:
-    from unified.engine.llm_engine import EngineStats
+    from unified.engine.outputs import EngineStats
 
 disable_created_metrics()  # the `*_created` timestamp series only add noise to every scrape
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
