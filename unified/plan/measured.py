@@ -22,16 +22,9 @@ import os
 import sys
 from dataclasses import replace
 
+from unified.runtime.memory_report import resident_bytes
+
 PREFIX = "measured: "
-
-
-def status_bytes(field: str, pid: int | str = "self") -> int:
-    """A memory field of /proc/<pid>/status (VmRSS, VmHWM, ...) in bytes."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def run_config(overrides: list[str]):
@@ -51,11 +44,11 @@ def _serve(cfg) -> dict:
     from unified.runtime import start_runtime
 
     start_runtime(cfg.device, cfg.parallel, cfg.seed)
-    baseline = status_bytes("VmRSS")
+    baseline = resident_bytes("VmRSS")
     engine = build_engine(cfg.model, cfg.device, cfg.parallel, cfg.engine, cfg.seed)
     if not engine.is_driver:  # another rank of the layout: it runs the driver's steps until released
         engine.follow(ignore_signals=False)
-        return {"baseline": baseline, "peak": status_bytes("VmHWM")}
+        return {"baseline": baseline, "peak": resident_bytes("VmHWM")}
     e = cfg.engine
     tokens = min(e.max_num_batched_tokens, e.max_model_len or engine.config.max_position_embeddings)
     rows = min(e.max_num_seqs, tokens)
@@ -70,7 +63,7 @@ def _serve(cfg) -> dict:
         engine.step()
         steps += 1
     engine.shutdown()
-    return {"baseline": baseline, "peak": status_bytes("VmHWM"), "steps": steps, "rows": rows, "tokens": tokens}
+    return {"baseline": baseline, "peak": resident_bytes("VmHWM"), "steps": steps, "rows": rows, "tokens": tokens}
 
 
 def _train(cfg) -> dict:
@@ -82,12 +75,12 @@ def _train(cfg) -> dict:
     from unified.train.trainer import train
 
     start_runtime(cfg.device, cfg.parallel, cfg.seed)
-    baseline = status_bytes("VmRSS")
+    baseline = resident_bytes("VmRSS")
     at_steps: list[int] = []
 
     def after_step(optimizer, *_) -> None:  # ZeRO steps a torch optimizer per parameter group inside its own step
         if type(optimizer).__module__.startswith("torch.optim"):
-            at_steps.append(status_bytes("VmHWM"))
+            at_steps.append(resident_bytes("VmHWM"))
 
     hook = register_optimizer_step_post_hook(after_step)
     try:
@@ -117,7 +110,7 @@ def measure(overrides: list[str]) -> dict:
 
     cfg = run_config(overrides)
     result = _train(cfg) if cfg.plan.mode == "train" else _serve(cfg)
-    result["end"] = status_bytes("VmHWM")
+    result["end"] = resident_bytes("VmHWM")
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     result["rank"] = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     result.update(_predicted(cfg, result["baseline"], world))
