@@ -14,10 +14,11 @@ the measured baseline as the reserve, so that total and rise both compare. Cases
   plan counts) on 1 and 2 ranks under ZeRO 0, 2 and 3;
 - serving a small DeepSeek-V3-shaped MoE (MLA, routed and shared experts, built here with random weights and
   SmolLM2's tokenizer) under expert parallel 2 (the trainer has no expert parallelism).
-Fine-tuning runs twice: as it comes, and with MALLOC_MMAP_THRESHOLD_=131072, where glibc returns every freed
-block over 128 KiB at once, so that the peak is the live tensors' (the plan's count) without the freed memory
-glibc otherwise keeps in the heap (the engine fixes its own threshold at start, so serving runs once). The last
-column compares configs/hardware/cpu.yaml's recorded reserve with the measured baseline.
+With `--allocator both`, fine-tuning also runs with MALLOC_MMAP_THRESHOLD_=131072, where glibc returns every freed
+block over 128 KiB at once, so that the peak is the live tensors' (the plan's count) whatever the order of frees
+(the trainer itself hands freed host memory back at the end of backward and before the optimizer's update,
+unified/train/engine.py; the engine fixes its own threshold at start). The last column compares
+configs/hardware/cpu.yaml's recorded reserve with the measured baseline.
 """
 from __future__ import annotations
 
@@ -137,7 +138,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="training steps per fine-tuning case")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=2, help="rows per step on one rank (two ranks: half)")
-    parser.add_argument("--allocator", choices=("both", "default"), default="both",
+    parser.add_argument("--allocator", choices=("both", "default"), default="default",
                         help="fine-tuning also with glibc's mmap threshold fixed at 128 KiB (freed blocks returned)")
     args = parser.parse_args()
     args.only = args.only.split(",")

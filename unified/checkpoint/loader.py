@@ -33,6 +33,7 @@ from unified.runtime import check_layout, current_layout, layout_world
 SIDECAR_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                  "vocab.json", "merges.txt", "generation_config.json", "chat_template.jinja",
                  "preprocessor_config.json", "processor_config.json")
+MAPPED_WHILE_LOADING = 64 << 20  # checkpoint bytes a loading rank keeps mapped at most (besides one read ahead)
 
 
 @dataclass
@@ -194,9 +195,12 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
 def _fill_from_hf(ckpt: SafetensorsCheckpoint, params: list[Param], targets: dict[str, torch.Tensor], path: Path,
                   progress: Callable[[int, int], None] | None) -> set[str]:
     """Copies this rank's slice of every parameter it holds (another pipeline stage's are skipped); the
-    next parameters are read in a background thread while the current one is copied."""
+    next parameters are read in a background thread while the current one is copied. The files are unmapped
+    after every MAPPED_WHILE_LOADING bytes read, so that the checkpoint pages a rank touched do not stay in
+    its resident memory beside the weights they were copied into until the end of the load."""
     shard = current_shard()
     mine = [p for p in params if p.ours in targets]
+    mapped = 0
     for done, (param, tensor) in enumerate(prefetched(mine, lambda p: assemble(ckpt, p, shard)), start=1):
         target = targets[param.ours]
         if tuple(tensor.shape) != tuple(target.shape):
@@ -205,6 +209,10 @@ def _fill_from_hf(ckpt: SafetensorsCheckpoint, params: list[Param], targets: dic
                                   f"from {path / 'config.json'} expects {tuple(target.shape)} for {param.ours}; "
                                   f"config.json and the weights disagree")
         target.copy_(tensor)
+        mapped += tensor.numel() * tensor.element_size()
+        if mapped >= MAPPED_WHILE_LOADING:
+            ckpt.release_mappings()
+            mapped = 0
         if progress:
             progress(done, len(mine))
     return {p.ours for p in mine}

@@ -79,6 +79,9 @@ class _QuantizedView:
     def _dequantize(self, name: str) -> torch.Tensor:
         raise NotImplementedError
 
+    def release_mappings(self) -> None:
+        self.ckpt.release_mappings()
+
     def has(self, name: str) -> bool:
         return self.ckpt.has(name) or self._quantized(name)
 

@@ -68,6 +68,11 @@ class SafetensorsCheckpoint:
                                       f"or corrupt: re-download or re-export it") from err
         return self._handles[path]
 
+    def release_mappings(self) -> None:
+        """Unmaps the files: the pages that reads touched leave this process (they stay in the page cache, and
+        a tensor already read is a copy); the next read maps its file again."""
+        self._handles.clear()
+
     def has(self, name: str) -> bool:
         return name in self.location
 

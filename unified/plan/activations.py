@@ -15,8 +15,8 @@ larger of the attention and MLP blocks' live tensors:
        all-gather exchange, unified/model/moe.py): gathered and summed [ep T, H] twice; the routed rows of this
        rank's experts R = ep T k (local / E) x plan.expert_load (1: balanced routing) take R (2 H + 3 Ie); plus
        the shared expert's MLP
-then the step's logits: this rank's vocabulary slice and the gathered whole for every sampling row (up to
-engine.max_num_seqs), and the sampler's float32 copy: rows (V_l + V) d + 2 rows V 4. A vision-language model
+then the step's logits: this rank's vocabulary slice and, under tensor parallel, the gathered whole for every
+sampling row (up to engine.max_num_seqs), and the sampler's float32 copy: rows (V_l + V [tp > 1]) d + 2 rows V 4. A vision-language model
 adds the engine's image cache (engine.image_cache_bytes).
 
 Training keeps what backward needs, as autograd saves it in our forward (counted tensor by tensor with
@@ -102,7 +102,8 @@ def serve_step_bytes(c: ModelConfig, layers: range, tokens: int, rows: int, s: S
         peak = max(peak, 2 * tokens * h * d + block)
     if last_stage:
         vocab_l = c.vocab_size // s.tp
-        peak += rows * (vocab_l + c.vocab_size) * d + 2 * rows * c.vocab_size * 4
+        gathered = c.vocab_size if s.tp > 1 else 0
+        peak += rows * (vocab_l + gathered) * d + 2 * rows * c.vocab_size * 4
     return peak + (image_cache_bytes if c.vision is not None else 0)
 
 

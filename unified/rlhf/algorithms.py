@@ -31,7 +31,7 @@ from unified.rlhf.losses import (KL_ESTIMATORS, LOSS_LEVELS, PolicyLossStats, kl
                                  value_loss)
 from unified.rlhf.rewards import RewardFn, score
 from unified.rlhf.rollout import CompletionForward, Rollout, TokenBatch, completion_forward, completion_logprobs
-from unified.train.engine import clip_gradients, grad_norm
+from unified.train.engine import backward_and_step, grad_norm
 
 ALGORITHMS = ("grpo", "ppo")
 
@@ -218,10 +218,7 @@ class GRPO:
             if update == 0:
                 old_logp, entropy = (now.logp, now.entropy) if old is None else (old.logp, old.entropy)
                 gap = self._gate(old_logp, batch)  # before the first optimizer step
-            self.trainer.backward(loss)
-            if self.max_grad_norm > 0 and not self.trainer.gradient_clipping():  # else DeepSpeed clips in step()
-                self.trainer.grad_norm = clip_gradients(self.trainer, self.max_grad_norm)
-            self.trainer.step()
+            backward_and_step(self.trainer, loss, self.max_grad_norm)
         if ref_logp is not None and not kl_trains:
             kl_rows = ref_logp.shape[0]
             stats.kl = float(masked_mean(kl_estimate(old_logp[:kl_rows], ref_logp, cfg.kl_estimator),

@@ -18,6 +18,7 @@ from unified.config.schema import TrainConfig
 from unified.errors import UserError
 from unified.model.forward_context import forward_context
 from unified.model.transformer import CausalLM
+from unified.runtime.host_memory import release_freed_host_memory
 from unified.train.data import IGNORE
 from unified.train.packing import Batch, PackedAttention
 
@@ -171,6 +172,8 @@ def initialize(model: CausalLM, cfg: TrainConfig, dtype: torch.dtype, dp_size: i
     config = deepspeed_config(cfg, dtype, dp_size)
     groups = _param_groups(wrapped, cfg.weight_decay)
     optimizer = None if "optimizer" in config else torch.optim.AdamW(groups, lr=cfg.lr)
+    if optimizer is not None and _on_host(model):  # (see backward_and_step) ZeRO frees the gradients it flattened
+        optimizer.register_step_pre_hook(_release_before_update)
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, cfg))  # noqa: E731
     engine, *_ = deepspeed.initialize(model=wrapped, optimizer=optimizer, model_parameters=groups,
                                       lr_scheduler=schedule, config=config,
@@ -185,11 +188,41 @@ def micro_step(engine, batch: Batch, loss_scale: float, max_grad_norm: float = 0
     the micro-batch's unscaled token-loss sum."""
     loss_sum = engine(batch.input_ids, batch.positions, batch.targets, batch.segments, batch.pixel_values,
                       batch.image_grid_thw)
-    engine.backward(loss_sum * loss_scale)
-    if max_grad_norm > 0 and not engine.gradient_clipping() and engine.is_gradient_accumulation_boundary():
-        engine.grad_norm = clip_gradients(engine, max_grad_norm)
-    engine.step()
+    backward_and_step(engine, loss_sum * loss_scale, max_grad_norm)
     return loss_sum.detach()
+
+
+def backward_and_step(engine, loss: torch.Tensor, max_grad_norm: float = 0.0) -> None:
+    """engine.backward and engine.step, clipping where DeepSpeed would not. Training on the host, the freed
+    activations go back to the system before the step: glibc keeps freed blocks under its mmap threshold (up to
+    32 MiB) in its heap, and the step's large buffers (flat float32 gradients, AdamW's temporaries) are mappings
+    of their own, so without it the step's peak holds the step's buffers on top of every activation of the
+    micro-batch, as if both were alive. Likewise at the end of backward, before DeepSpeed reduces what is left in
+    its gradient bucket (ZeRO-3's reduce-scatter makes a flat copy of it)."""
+    if _on_host(engine.module):
+        loss.register_hook(_release_after_backward)
+    engine.backward(loss)
+    if not engine.is_gradient_accumulation_boundary():
+        engine.step()  # (DeepSpeed counts the micro-batch)
+        return
+    if max_grad_norm > 0 and not engine.gradient_clipping():
+        engine.grad_norm = clip_gradients(engine, max_grad_norm)
+    if _on_host(engine.module):
+        release_freed_host_memory()
+    engine.step()
+
+
+def _release_before_update(*_) -> None:
+    release_freed_host_memory()
+
+
+def _release_after_backward(_grad: torch.Tensor) -> None:
+    """A hook on the loss, the first gradient of backward: queues the release for when autograd is done."""
+    torch.autograd.Variable._execution_engine.queue_callback(_release_before_update)
+
+
+def _on_host(module: nn.Module) -> bool:
+    return next(module.parameters()).device.type == "cpu"
 
 
 def clip_gradients(engine, max_norm: float) -> float:
