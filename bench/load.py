@@ -7,12 +7,17 @@ one rank at a time (so that each rank's bytes and seconds are its own), each way
 (posix_fadvise(POSIX_FADV_DONTNEED) on every file first) and warm:
 - `hf`: load_model on the HF folder (each rank reads its slices through lazy safetensors views),
 - `presharded` (with and without sha256 checks): load_model on the pre-sharded folder (each rank maps its file),
-- `sequential read`: each rank reads its own pre-sharded file start to end in 16 MiB reads (the ceiling).
+- `sequential read`: each rank reads its own pre-sharded file start to end in 16 MiB reads into one reused
+  buffer (the storage's ceiling);
+- `sequential read into new memory`: the same reads into one freshly allocated tensor the size of the file, whose
+  pages fault in as they are written, as a load's parameters do (the ceiling for a load; the percentages).
+Each (way, cache, rank) runs `--repeats` times; the table shows the median. The ranks run with glibc's mmap
+threshold fixed at 128 KiB, so that every run's parameters are fresh pages, as in a process's first load.
 Per rank: bytes read from storage (/proc/self/io read_bytes, cold runs only: warm reads come from the page
 cache), the bytes its slices hold, seconds, and GB/s over its file's bytes. Then `transformers`'
 from_pretrained of the whole model in one process. Prints a markdown table.
 
-    .venv/bin/python bench/load.py [--ranks 2] [--hidden 1536] [--layers 8] [--dir /tmp]
+    .venv/bin/python bench/load.py [--ranks 2] [--hidden 1536] [--layers 8] [--repeats 3] [--dir /tmp]
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -73,11 +79,24 @@ def read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes"))
 
 
+CHUNK = 16 * 2 ** 20
+
+
 def sequential_read(path: Path) -> None:
-    buffer = bytearray(16 * 2 ** 20)
+    buffer = bytearray(CHUNK)
     with open(path, "rb", buffering=0) as f:
         while f.readinto(buffer):
             pass
+
+
+def sequential_read_into_new_memory(path: Path) -> torch.Tensor:
+    size = path.stat().st_size
+    destination = torch.empty(size, dtype=torch.uint8)
+    view = memoryview(destination.numpy())
+    with open(path, "rb", buffering=0) as f:
+        for start in range(0, size, CHUNK):
+            f.readinto(view[start:start + CHUNK])
+    return destination
 
 
 def slice_bytes(hf: Path) -> int:
@@ -99,7 +118,7 @@ def slice_bytes(hf: Path) -> int:
     return total
 
 
-def rank_main(rank: int, ranks: int, port: int, hf: Path, presharded: Path, out: Path) -> None:
+def rank_main(rank: int, ranks: int, port: int, hf: Path, presharded: Path, out: Path, repeats: int) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -114,23 +133,28 @@ def rank_main(rank: int, ranks: int, port: int, hf: Path, presharded: Path, out:
     own = presharded / shard_file(0, ps.get_tensor_model_parallel_rank(), 0)
     runs = {"hf": lambda: load_model(hf), "presharded": lambda: load_model(presharded),
             "presharded, no checksums": lambda: load_model(presharded, verify_checksums=False),
-            "sequential read": lambda: sequential_read(own)}
+            "sequential read": lambda: sequential_read(own),
+            "sequential read into new memory": lambda: sequential_read_into_new_memory(own)}
     runs["presharded, no checksums"]()  # first-call costs (imports, kernels), not measured
     rows = []
     for cache in ("cold", "warm"):
         for name, run in runs.items():
             for turn in range(ranks):  # one rank at a time: its own bytes from storage and its own time
-                if cache == "cold" and rank == 0:
-                    drop_cache([hf, presharded])
-                dist.barrier()
+                times, stored = [], []
+                for _ in range(repeats):
+                    if cache == "cold" and rank == 0:
+                        drop_cache([hf, presharded])
+                    dist.barrier()
+                    if rank == turn:
+                        before, start = read_bytes(), time.perf_counter()
+                        result = run()
+                        times.append(time.perf_counter() - start)
+                        del result
+                        stored.append(read_bytes() - before)
+                    dist.barrier()
                 if rank == turn:
-                    before, start = read_bytes(), time.perf_counter()
-                    result = run()
-                    seconds = time.perf_counter() - start
-                    del result
-                    rows.append({"way": name, "cache": cache, "rank": rank, "seconds": seconds,
-                                 "storage_bytes": read_bytes() - before if cache == "cold" else None})
-                dist.barrier()
+                    rows.append({"way": name, "cache": cache, "rank": rank, "seconds": statistics.median(times),
+                                 "storage_bytes": statistics.median(stored) if cache == "cold" else None})
     rows.append({"rank": rank, "slice_bytes": slice_bytes(hf), "own_file": own.stat().st_size})
     gathered = [None] * ranks
     dist.all_gather_object(gathered, rows)
@@ -188,6 +212,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each way per cache state and rank (median)")
     parser.add_argument("--dir", default=None, help="where the temporary checkpoints go (default: the temp folder)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="unified-load-bench-", dir=args.dir))
@@ -203,7 +228,10 @@ def main() -> None:
             raise SystemExit(f"the conversion failed (exit status {child.exitcode}); see above")
         convert_s, rss_before, rss_peak, hwm = queue.get()
         out = work / "ranks.json"
-        mp.start_processes(rank_main, args=(args.ranks, 29400 + os.getpid() % 500, hf, presharded, out),
+        # Every destination page fresh in every way and run: glibc would otherwise serve a load's parameters
+        # (under its adaptive threshold, up to 32 MiB each) from the heap the previous run's model freed.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 * 2 ** 10)
+        mp.start_processes(rank_main, args=(args.ranks, 29400 + os.getpid() % 500, hf, presharded, out, args.repeats),
                            nprocs=args.ranks, start_method="spawn")
         ranks = json.loads(out.read_text())
         hf_transformers = transformers_load(hf)
@@ -228,7 +256,7 @@ def report(args, whole, hf, presharded, convert_s, rss_before, rss_peak, hwm, ra
     for per_rank in ranks:
         info = per_rank[-1]
         for row in per_rank[:-1]:
-            if row["way"] == "sequential read":
+            if row["way"] == "sequential read into new memory":
                 sequential[row["cache"], row["rank"]] = row["seconds"]
     for per_rank in ranks:
         info = per_rank[-1]
@@ -237,7 +265,7 @@ def report(args, whole, hf, presharded, convert_s, rss_before, rss_peak, hwm, ra
             rate = info["own_file"] / row["seconds"] / gb
             share = ""
             if row["way"].startswith("presharded"):
-                share = f" ({sequential[row['cache'], row['rank']] / row['seconds']:.0%} of sequential)"
+                share = f" ({sequential[row['cache'], row['rank']] / row['seconds']:.0%} of sequential into new memory)"
             print(f"| {row['way']} | {row['cache']} | {row['rank']} | {row['seconds']:.2f} | {stored} | "
                   f"{info['slice_bytes'] / gb:.3f} | {info['own_file'] / gb:.3f} | {rate:.2f}{share} |")
     for cache, seconds in hf_transformers:

@@ -1,10 +1,12 @@
 """Loading a pre-sharded folder (unified/checkpoint/manifest.py): each rank maps its own file and nothing else.
 
 The rank's file holds exactly its parameters, already sliced and fused, in the order they are filled, so
-loading is a copy per parameter from the memory map into the model (no slicing, no concatenation). A
-background thread reads ahead (unified/checkpoint/prefetch.py): it checks each tensor's sha256 as it reads
-it, or with checksums off pages it in, while the caller copies the previous one into its parameter; once
-copied, a tensor's pages are unmapped so that the process does not keep the file resident. Quantized
+loading is one read per parameter (no slicing, no concatenation). Into host parameters of the stored dtype it
+reads the file straight into them with positional reads, as a plain sequential read would, while a background
+thread checks the previous tensor's sha256. Otherwise (device parameters, another dtype) it copies from a
+memory map: a background thread reads ahead (unified/checkpoint/prefetch.py), checking each tensor's sha256 as
+it reads it or, with checksums off, paging it in, while the caller copies the previous one into its parameter;
+once copied, a tensor's pages are unmapped so that the process does not keep the file resident. Quantized
 folders (converted with engine.quantization=) are read through quantized.dequantizing, as quantized HF
 checkpoints are.
 """
@@ -13,6 +15,8 @@ from __future__ import annotations
 import hashlib
 import math
 import mmap
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
@@ -95,8 +99,7 @@ class RankFile:
             self._map.madvise(mmap.MADV_WILLNEED, begin // PAGE * PAGE, end - begin // PAGE * PAGE)
         if self.verify and name not in self._checked:
             if hashlib.sha256(self._bytes[begin:end]).hexdigest() != record["sha256"]:
-                raise CheckpointError(f"tensor {name!r} in {self.path} does not match its sha256 in manifest.json: the "
-                                      f"file is corrupt; copy it again, or convert again (recipe=convert)")
+                raise _corrupt(self.path, name)
             self._checked.add(name)
         elif not self.verify and name not in self._checked:
             self._bytes[begin:end:PAGE].tobytes()  # one byte a page: the pages come in now, in this thread
@@ -108,6 +111,33 @@ class RankFile:
 
     def param(self, name: str) -> torch.Tensor:
         return self._reader.get(name).reshape(self.params[name]["shape"])
+
+    def direct(self, name: str, target: torch.Tensor) -> bool:
+        """Whether `read_into` can fill `target`: one stored tensor of its dtype and size, a contiguous host tensor."""
+        stored = self.params[name]["stored"]
+        if len(stored) != 1 or target.device.type != "cpu" or not target.is_contiguous():
+            return False
+        record = self.record(stored[0])
+        return DTYPES[record["dtype"]] == target.dtype and math.prod(record["shape"]) == target.numel()
+
+    def read_into(self, name: str, target: torch.Tensor) -> memoryview:
+        """Reads `name` from the file straight into `target` (see `direct`) with positional reads, no memory map
+        and no copy in between: a host load is then the storage's sequential read into the parameters. Returns
+        the target's bytes (for `matches`)."""
+        begin, end = self.record(self.params[name]["stored"][0])["offsets"]
+        view = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
+        with self.path.open("rb", buffering=0) as f:
+            done = 0
+            while done < end - begin:
+                got = os.preadv(f.fileno(), [view[done:]], begin + done)
+                if got == 0:
+                    raise CheckpointError(f"{self.path} ended inside tensor {name!r}: it is truncated; copy it again, "
+                                          f"or convert again (recipe=convert)")
+                done += got
+        return view
+
+    def matches(self, name: str, data: memoryview) -> bool:
+        return hashlib.sha256(data).hexdigest() == self.record(self.params[name]["stored"][0])["sha256"]
 
     def release(self, name: str) -> None:
         """Unmaps the whole pages of `name`'s stored tensors (they stay in the page cache, not in this process)."""
@@ -138,7 +168,10 @@ def fill_from_rank_file(rank_file: RankFile, targets: dict[str, torch.Tensor],
         raise CheckpointError(f"{rank_file.path} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, "
                               f"which the model built from {rank_file.directory / 'config.json'} does not have; "
                               f"config.json and the shards disagree: convert again")
-    for done, (name, tensor) in enumerate(prefetched(names, rank_file.param), start=1):
+    direct = [n for n in names if rank_file.direct(n, targets[n])]
+    _read_directly(rank_file, direct, targets, lambda done: progress(done, len(names)) if progress else None)
+    rest = [n for n in names if n not in set(direct)]
+    for done, (name, tensor) in enumerate(prefetched(rest, rank_file.param), start=len(direct) + 1):
         target = targets[name]
         if tuple(tensor.shape) != tuple(target.shape):
             raise CheckpointError(f"{name} is {tuple(tensor.shape)} in {rank_file.path} but the model built from "
@@ -150,3 +183,28 @@ def fill_from_rank_file(rank_file: RankFile, targets: dict[str, torch.Tensor],
         if progress:
             progress(done, len(names))
     return set(names)
+
+
+def _corrupt(path: Path, name: str) -> CheckpointError:
+    return CheckpointError(f"tensor {name!r} in {path} does not match its sha256 in manifest.json: the file is "
+                           f"corrupt; copy it again, or convert again (recipe=convert)")
+
+
+def _read_directly(rank_file: RankFile, names: list[str], targets: dict[str, torch.Tensor],
+                   progress: Callable[[int], None]) -> None:
+    """`read_into` for each of `names`, in file order; with checksums on, a background thread hashes each tensor
+    while the next one is read, and a mismatch is named once the reads are done."""
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sha256") if rank_file.verify else None
+    checks = []
+    try:
+        for done, name in enumerate(names, start=1):
+            data = rank_file.read_into(name, targets[name])
+            if hasher is not None:
+                checks.append((name, hasher.submit(rank_file.matches, name, data)))
+            progress(done)
+        for name, ok in checks:
+            if not ok.result():
+                raise _corrupt(rank_file.path, name)
+    finally:
+        if hasher is not None:
+            hasher.shutdown(wait=True, cancel_futures=True)
