@@ -60,3 +60,22 @@ def test_the_command_line_exits_2_with_the_plan_and_no_traceback(tmp_path):
     assert "error: model=deepseek-v3 does not fit" in result.stderr and "nearest fixes" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_on_a_card_the_reserve_is_what_it_holds_once_the_context_exists(run_config, monkeypatch):
+    """The card's properties and free memory stand in for a GPU this machine does not have: the probe picks the
+    hardware file by the card's name and measures the reserve on the card rather than taking the file's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from unified.plan.probe import present_hardware
+
+    asked = []
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: asked.append(index) or SimpleNamespace(name="NVIDIA H200", total_memory=150 * 10**9))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: asked.append(index) or (148 * 10**9, 150 * 10**9))
+    hardware, name = present_hardware(run_config("device.name=cuda"))
+    assert (hardware.name, name, asked) == ("h200", "NVIDIA H200", [3, 3])
+    assert hardware.memory_bytes == 150 * 10**9 and hardware.reserve_bytes == 2 * 10**9

@@ -12,7 +12,9 @@ to log beside what they measure (unified/runtime/memory_report.py).
 The devices present: on CPU this machine (configs/hardware/cpu.yaml, its memory available now), with the
 process's own resident memory now as the framework's reserve; on an accelerator, `plan.hardware` when it
 names an accelerator's file, else the file whose name the device's name contains (h100, h200, ...), with the
-device's own memory size. The cards are the launch's ranks.
+device's own memory size, and as the reserve what the card holds once this process's context exists (its
+context, other processes), measured with mem_get_info; the file's reserve_bytes is recipe=plan's estimate for
+cards it cannot see. The cards are the launch's ranks.
 """
 from __future__ import annotations
 
@@ -81,7 +83,13 @@ def present_hardware(cfg) -> tuple[HardwareConfig, str]:
         hardware = load_hardware("cpu", measure_reserve=False)
         own = resident_bytes()  # the framework's share, measured on this very process
         return replace(hardware, reserve_bytes=own, memory_bytes=hardware.memory_bytes + own), "cpu"
-    props = (torch.cuda if name == "cuda" else getattr(torch, name)).get_device_properties(0)
+    module = torch.cuda if name == "cuda" else getattr(torch, name)
+    index = int(os.environ.get("LOCAL_RANK", "0"))
+    props = module.get_device_properties(index)
     chosen = cfg.plan.hardware if cfg.plan.hardware != "cpu" else next(
         (n for n in hardware_names() if n.replace("-", "") in props.name.lower().replace(" ", "")), "h100")
-    return replace(load_hardware(chosen), memory_bytes=props.total_memory), props.name
+    hardware = replace(load_hardware(chosen), memory_bytes=props.total_memory)
+    if hasattr(module, "mem_get_info"):  # measured: what the card already holds once this process's context exists
+        free, total = module.mem_get_info(index)
+        hardware = replace(hardware, memory_bytes=total, reserve_bytes=total - free)
+    return hardware, props.name
