@@ -64,3 +64,20 @@ def test_engine_copies_are_what_pack_weights_makes(tiny_checkpoint, runtime, fam
     tied = next(t.shape for t in tensors if t.name == "embed.weight") if config.tie_word_embeddings else None
     assert made == engine_copy_bytes(tensors, True, True, int8, int8_head, tied, head_chunk_size(),
                                      packed_rows_multiple())
+
+
+def test_an_mtp_drafter_s_layer_and_cache_layer_are_counted(tmp_path, run_config, runtime):
+    from tests.conftest import build_mtp_checkpoint
+    from unified.checkpoint.mtp import load_mtp_layer
+    from unified.engine.speculative import cache_layers
+
+    path = build_mtp_checkpoint(tmp_path / "mtp")
+    config = model_config_from_hf(read_hf_config(path))
+    cfg = run_config("engine.num_blocks=7", "engine.speculative.method=mtp", "engine.speculative.num_tokens=2")
+    s = setting_for(cfg, load_hardware("cpu"), context=64)
+    ranks, blocks = serve_breakdowns(config, Layout(), "auto", s)
+    layer = load_mtp_layer(path, torch.device("cpu"), torch.float32)
+    assert ranks[0]["mtp_layer"] == sum(t.numel() * t.element_size() for t in [*layer.parameters(), *layer.buffers()])
+    layers = [*range(config.num_layers), *cache_layers(s.engine.speculative, config)]
+    cache = KVCache(config, blocks, s.engine.block_size, torch.float32, torch.device("cpu"), "auto", layers=layers)
+    assert ranks[0]["kv_cache"] == sum(t.numel() * t.element_size() for layer in cache.values for t in layer)

@@ -81,6 +81,15 @@ def rank_tensors(config: ModelConfig, place: Stage) -> list[RankTensor]:
     return out
 
 
+def mtp_tensors(config: ModelConfig, layout: Layout) -> list[RankTensor]:
+    """The multi-token prediction layer engine.speculative.method=mtp loads (unified/model/mtp.py): its norms, its
+    replicated eh_proj [H, 2H] and a decoder block at layer index num_layers (embedding and head are the model's)."""
+    h, p = config.hidden_size, "mtp."
+    norms = [RankTensor(p + name, (h,), NORM) for name in ("enorm.weight", "hnorm.weight", "head_norm.weight")]
+    return [*norms, *_linear(p + "eh_proj", h, 2 * h, False, packable=False),
+            *_layer(config, config.num_layers, layout)]
+
+
 def _linear(name: str, out_features: int, in_features: int, bias: bool, packable: bool = True,
             bias_features: int | None = None) -> list[RankTensor]:
     tensors = [RankTensor(f"{name}.weight", (out_features, in_features), PROJECTION, packable=packable)]

@@ -6,6 +6,8 @@ Serving sizes the KV cache as the engine does (unified/engine/llm_engine.py `_ca
 else engine.kv_cache_bytes, else engine.kv_cache_memory_fraction of the memory left after everything else;
 every pipeline stage keeps the smallest stage's block count (the ranks agree on it), plus one scratch block.
 The engine's cache keeps every block of a sequence, sliding window or not, so windows do not cap it.
+With engine.speculative.method=mtp (a checkpoint with an MTP layer; no pipeline parallel) the MTP layer's weights
+and its one more cache layer are counted too.
 Every rank of a run also loads the checkpoint's tokenizer (the engine's and the trainer's first step after
 the imports), which `tokenizer_bytes` counts.
 """
@@ -20,7 +22,7 @@ from unified.engine.kv_cache import CacheShape, kv_bits_of
 from unified.model.config import ModelConfig
 from unified.model.transformer import stage_layers
 from unified.plan.activations import Shards, serve_step_bytes, train_step_bytes
-from unified.plan.inventory import EMBEDDING, RankTensor, Stage, rank_tensors
+from unified.plan.inventory import EMBEDDING, RankTensor, Stage, mtp_tensors, rank_tensors
 from unified.plan.training import training_state_bytes
 from unified.plan.weight_bytes import engine_copy_bytes, weight_bytes
 from unified.runtime.layout import Layout
@@ -68,9 +70,11 @@ def stage_tensors(config: ModelConfig, layout: Layout, stage: int) -> tuple[Rank
     return _stage_tensors(id(config), layout, stage)
 
 
-def kv_bytes_per_token(config: ModelConfig, layout: Layout, stage: int, dtype: torch.dtype, kv_dtype: str) -> int:
-    layers = stage_layers(config.num_layers, layout.pipeline, stage)
-    return CacheShape.of(config, layout.tensor).bytes_per_token(len(layers), dtype, kv_bits_of(kv_dtype))
+def kv_bytes_per_token(config: ModelConfig, layout: Layout, stage: int, dtype: torch.dtype, kv_dtype: str,
+                       extra_layers: int = 0) -> int:
+    """`extra_layers`: cache layers a drafter adds (speculative.cache_layers: MTP's layer)."""
+    layers = len(stage_layers(config.num_layers, layout.pipeline, stage)) + extra_layers
+    return CacheShape.of(config, layout.tensor).bytes_per_token(layers, dtype, kv_bits_of(kv_dtype))
 
 
 def _key_centres(config: ModelConfig, layout: Layout, stage: int, kv_dtype: str) -> int:
@@ -100,16 +104,19 @@ def serve_breakdowns(config: ModelConfig, layout: Layout, kv_dtype: str, s: Sett
     tokens = min(e.max_num_batched_tokens, s.context)
     rows = min(e.max_num_seqs, tokens)
     shards = Shards(layout.tensor, layout.expert)
+    mtp = layout.pipeline == 1 and _drafts_with_mtp(config, e)
     stages = []
     for stage in range(layout.pipeline):
         tensors = stage_tensors(config, layout, stage)
         last = stage == layout.pipeline - 1
         parts = {"reserve": s.reserve, "tokenizer": tokenizer_bytes(config), **_weights(config, tensors, s, last)}
+        if mtp:
+            parts["mtp_layer"] = weight_bytes(mtp_tensors(config, layout), d)["weights"]
         layers = stage_layers(config.num_layers, layout.pipeline, stage)
         parts["activations"] = serve_step_bytes(config, layers, tokens, rows, shards, d, s.expert_load, last,
                                                 e.image_cache_bytes if stage == 0 else 0)
         stages.append(parts)
-    per_token = [kv_bytes_per_token(config, layout, st, s.dtype, kv_dtype) for st in range(layout.pipeline)]
+    per_token = [kv_bytes_per_token(config, layout, st, s.dtype, kv_dtype, int(mtp)) for st in range(layout.pipeline)]
     if e.num_blocks:
         blocks = e.num_blocks
     else:
@@ -120,6 +127,11 @@ def serve_breakdowns(config: ModelConfig, layout: Layout, kv_dtype: str, s: Sett
         parts["kv_cache"] = (blocks + 1) * e.block_size * per_token[stage] + _key_centres(config, layout, stage,
                                                                                            kv_dtype)
     return stages, blocks
+
+
+def _drafts_with_mtp(config: ModelConfig, e) -> bool:
+    spec = getattr(e, "speculative", None)
+    return spec is not None and spec.method == "mtp" and config.num_mtp_layers > 0
 
 
 def train_breakdown(config: ModelConfig, layout: Layout, cards: int, s: Setting) -> tuple[dict, dict]:
