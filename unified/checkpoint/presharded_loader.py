@@ -30,6 +30,7 @@ from unified.checkpoint.safetensors_io import DTYPES, CheckpointError
 from unified.runtime.layout import Layout
 
 PAGE = mmap.PAGESIZE
+HASH_THREADS = 8
 
 
 class _StoredSlice:
@@ -192,9 +193,11 @@ def _corrupt(path: Path, name: str) -> CheckpointError:
 
 def _read_directly(rank_file: RankFile, names: list[str], targets: dict[str, torch.Tensor],
                    progress: Callable[[int], None]) -> None:
-    """`read_into` for each of `names`, in file order; with checksums on, a background thread hashes each tensor
-    while the next one is read, and a mismatch is named once the reads are done."""
-    hasher = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-sha256") if rank_file.verify else None
+    """`read_into` for each of `names`, in file order; with checksums on, background threads hash the tensors
+    read while the next ones are read (sha256 on one core is slower than a fast disk reads, so several tensors
+    are hashed at once where there are cores for it), and a mismatch is named once the reads are done."""
+    workers = max(1, min(HASH_THREADS, (os.cpu_count() or 2) - 1))  # the reading thread keeps a core
+    hasher = ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-sha256") if rank_file.verify else None
     checks = []
     try:
         for done, name in enumerate(names, start=1):
