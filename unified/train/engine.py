@@ -199,7 +199,7 @@ def backward_and_step(engine, loss: torch.Tensor, max_grad_norm: float = 0.0) ->
     of their own, so without it the step's peak holds the step's buffers on top of every activation of the
     micro-batch, as if both were alive. Likewise at the end of backward, before DeepSpeed reduces what is left in
     its gradient bucket (ZeRO-3's reduce-scatter makes a flat copy of it)."""
-    if _on_host(engine.module):
+    if loss.requires_grad and _on_host(engine.module):
         loss.register_hook(_release_after_backward)
     engine.backward(loss)
     if not engine.is_gradient_accumulation_boundary():
