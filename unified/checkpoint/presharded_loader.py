@@ -169,9 +169,10 @@ def fill_from_rank_file(rank_file: RankFile, targets: dict[str, torch.Tensor],
         raise CheckpointError(f"{rank_file.path} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, "
                               f"which the model built from {rank_file.directory / 'config.json'} does not have; "
                               f"config.json and the shards disagree: convert again")
-    direct = [n for n in names if rank_file.direct(n, targets[n])]
-    _read_directly(rank_file, direct, targets, lambda done: progress(done, len(names)) if progress else None)
-    rest = [n for n in names if n not in set(direct)]
+    direct = {n for n in names if rank_file.direct(n, targets[n])}
+    _read_directly(rank_file, [n for n in names if n in direct], targets,
+                   lambda done: progress(done, len(names)) if progress else None)
+    rest = [n for n in names if n not in direct]
     for done, (name, tensor) in enumerate(prefetched(rest, rank_file.param), start=len(direct) + 1):
         target = targets[name]
         if tuple(tensor.shape) != tuple(target.shape):
