@@ -77,7 +77,6 @@ def training_state_bytes(params: int, trainable: int, largest_unit: int, dtype_b
         step |= {"gradients": t * d, **update}
         if n > 1:
             step["reduce_bucket"] = bucket
-    if accumulation > 1:  # the earlier micro-batches' gradients wait through backward
-        backward["gradients"] = t * d if stage < 2 else t * d // n if stage == 2 else 0
-        backward = {k: v for k, v in backward.items() if v}
+    if accumulation > 1 and stage < 3:  # the earlier micro-batches' gradients wait through backward (ZeRO-3: always)
+        backward["gradients"] = t * d // n if stage == 2 else t * d
     return always, backward, step, host

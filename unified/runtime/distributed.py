@@ -13,6 +13,12 @@ import torch.distributed as dist
 from unified.runtime.layout import Layout, check_layout
 
 
+def init_single_process_group(backend: str) -> None:
+    """A world of this one process, with no launcher."""
+    os.environ.setdefault("LOCAL_RANK", "0")  # what a launcher would set; DeepSpeed's engine asks for it
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def init_distributed(accelerator, layout: Layout = Layout()) -> None:
     from megatron.core import parallel_state
 
@@ -23,8 +29,7 @@ def init_distributed(accelerator, layout: Layout = Layout()) -> None:
             os.environ.setdefault("LOCAL_SIZE", os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
             dist.init_process_group(backend=backend)
         else:
-            os.environ.setdefault("LOCAL_RANK", "0")  # what a launcher would set; DeepSpeed's engine asks for it
-            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+            init_single_process_group(backend)
     check_layout(layout, dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         if current_layout() != layout:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from unified.runtime.distributed import init_single_process_group
+
 
 @dataclass(frozen=True)
 class Place:
@@ -49,7 +51,7 @@ def placed_as(tensor: Place = Place(1, 0), pipeline: Place = Place(1, 0), expert
     for name, place in (("tensor", tensor), ("pipeline", pipeline), ("expert", expert)):
         assert 0 <= place.index < place.ranks, f"{name} rank {place.index} outside a group of {place.ranks}"
     if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        init_single_process_group("gloo")
     global _places
     outer, _places = _places, RankPlaces(tensor, pipeline, expert)
     try:
