@@ -3,7 +3,8 @@
 Every suggestion is checked by planning again with it applied; none is offered that the planner itself calls
 infeasible. Tried in this order, each alone: the feasible layouts on the same cards (the best, then the one
 fewest changes away), a smaller KV cache dtype, a context the cache holds (engine.max_model_len), a larger
-share of free memory for the cache or a smaller explicit budget (engine.kv_cache_bytes), training's memory
+share of free memory for the cache or a smaller explicit budget (engine.kv_cache_bytes, KV_ROOM_USED of the room
+the rest of the rank leaves), training's memory
 savers (ZeRO-3, optimizer offload, activation checkpointing, one row per micro-batch), quantized weights kept
 as stored, and finally more cards (the fewest, doubling, with the best layout there; for a CPU host, whose
 processes share its memory, accelerators' cards).
@@ -18,6 +19,10 @@ from unified.plan.planner import default_context, evaluate, search, setting_for
 from unified.runtime.layout import Layout
 
 MAX_CARDS = 16384
+# The KV cache is counted to the byte; what the rest of a rank holds (activations, the allocator's heap) varies
+# from one environment to the next by a few percent of it. A suggested explicit budget takes this share of the
+# room that is left for the cache, as vLLM's gpu_memory_utilization keeps a tenth of the card in reserve.
+KV_ROOM_USED = 0.9
 ACCELERATOR = "h200"  # what a host too small is pointed to
 
 
@@ -88,9 +93,10 @@ def _fewest_cards(plan, hardware, setting, cards: int) -> list[str]:
 
 
 def _kv_budget_that_fits(requested, engine) -> int:
-    """The largest explicit KV-cache budget that leaves the fullest rank within its card: the current one less
-    what that rank lacks, whole blocks (the engine keeps one block more than the budget holds)."""
+    """An explicit KV-cache budget that leaves the fullest rank within its card: KV_ROOM_USED of the room the
+    rest of that rank leaves, whole blocks (the engine keeps one block more than the budget holds)."""
     blocks = requested.kv_tokens // engine.block_size
     per_block = requested.breakdown["kv_cache"] // (blocks + 1) if blocks else 0
-    budget = max(0, engine.kv_cache_bytes - requested.short - per_block)
+    room = max(0, engine.kv_cache_bytes - requested.short - per_block)
+    budget = int(room * KV_ROOM_USED)
     return budget // per_block * per_block if per_block else budget
