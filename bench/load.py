@@ -6,7 +6,7 @@ in a child process whose peak anonymous memory is sampled), then starts N ranks 
 one rank at a time (so that each rank's bytes and seconds are its own), each way with the page cache cold
 (posix_fadvise(POSIX_FADV_DONTNEED) on every file first) and warm:
 - `hf`: load_model on the HF folder (each rank reads its slices through lazy safetensors views),
-- `presharded` (with and without sha256 checks): load_model on the pre-sharded folder (each rank maps its file),
+- `presharded` (with and without checksums): load_model on the pre-sharded folder (each rank maps its file),
 - `sequential read`: each rank reads its own pre-sharded file start to end in 16 MiB reads into one reused
   buffer (the storage's ceiling);
 - `sequential read into new memory`: the same reads into one freshly allocated tensor the size of the file, whose

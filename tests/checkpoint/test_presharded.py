@@ -154,13 +154,28 @@ def single(runtime, tiny_checkpoint, tmp_path):
     return folder, json.loads((folder / MANIFEST).read_text())["shards"][0]
 
 
-def test_a_corrupt_shard_is_named_unless_checksums_are_off(single):
+@pytest.mark.parametrize("recorded", ["xxh3_128", "sha256"])  # sha256 only: converted before xxh3_128 was recorded
+def test_a_corrupt_shard_is_named_unless_checksums_are_off(single, recorded):
+    import hashlib
+
+    import xxhash
+
     folder, shard = single
-    begin, _ = shard["tensors"]["layers.1.attn.o_proj.weight"]["offsets"]
+    record = shard["tensors"]["layers.1.attn.o_proj.weight"]
+    begin, end = record["offsets"]
+    data = (folder / shard["file"]).read_bytes()[begin:end]
+    assert record["sha256"] == hashlib.sha256(data).hexdigest()
+    assert record["xxh3_128"] == xxhash.xxh3_128(data).hexdigest()
+    if recorded == "sha256":
+        manifest = json.loads((folder / MANIFEST).read_text())
+        for tensor in manifest["shards"][0]["tensors"].values():
+            del tensor["xxh3_128"]
+        (folder / MANIFEST).write_text(json.dumps(manifest))
     with open(folder / shard["file"], "r+b") as f:
         f.seek(begin + 5)
         f.write(b"\x7f")
-    with pytest.raises(CheckpointError, match=rf"'layers.1.attn.o_proj.weight' in .*{shard['file']} does not match"):
+    with pytest.raises(CheckpointError, match=rf"'layers.1.attn.o_proj.weight' in .*{shard['file']} does not match "
+                                              rf"its {recorded}"):
         load_model(folder)
     load_model(folder, verify_checksums=False)
 

@@ -166,7 +166,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     """From an HF checkpoint folder or a pre-sharded one (recipe=convert; it holds manifest.json).
     `progress(done, total)` is called after each model tensor is filled (servers report it while starting).
     `num_labels` None asks for a causal LM; a number, for a sequence classifier with that many outputs.
-    `verify_checksums`: a pre-sharded folder's tensors are checked against their sha256 as they are read."""
+    `verify_checksums`: a pre-sharded folder's tensors are checked against their checksums as they are read
+    (unified/checkpoint/digests.py)."""
     path = Path(path)
     hf = read_hf_config(path)
     config = model_config_from_hf(hf)

@@ -14,7 +14,8 @@ manifest.json (FORMAT, VERSION) records:
     `cat_dim`, each {name, shape (whole HF tensor), dtype, dim, start, length}: rows `start` to
     `start + length` along `dim` of that HF tensor (`dim` None: all of it). This is the slice the rank holds.
   - `tensors`: what the file stores (a parameter's own name; with quantization also its `_scale`, ...):
-    `dtype`, `shape`, `offsets` [begin, end) in bytes from the start of the file, and `sha256` of those bytes.
+    `dtype`, `shape`, `offsets` [begin, end) in bytes from the start of the file, and the `sha256` and
+    `xxh3_128` digests of those bytes (unified/checkpoint/digests.py).
 - `unmapped`: the same `tensors` record for unmapped.safetensors (or None).
 - `source`: the HF files, each with its tensor names in file order, and whether an index named them.
 """

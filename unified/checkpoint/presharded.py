@@ -149,9 +149,9 @@ def convert_to_presharded(source: Path, target: Path, layout: Layout, quantizati
             quantized = ((pp, tp, ep), param.ours) in chosen
             stored = quantize_tensor(param.ours, tensor, quantization, group) if quantized else {param.ours: tensor}
             for stored_name, data in stored.items():
-                offsets, digest = writer.add(stored_name, data)
+                offsets, digest_of = writer.add(stored_name, data)
                 tensors[stored_name] = {"dtype": writer.header[stored_name]["dtype"], "shape": list(data.shape),
-                                        "offsets": list(offsets), "sha256": digest}
+                                        "offsets": list(offsets), **digest_of}
             params[param.ours] = {
                 "shape": shape, "global_shape": _shape(ckpt, param, param_sources(ckpt, param, Shard())),
                 "dtype": _dtype(ckpt, param), "stacked": param.stacked, "cat_dim": param.cat_dim,
@@ -176,9 +176,9 @@ def _write_unmapped(ckpt: SafetensorsCheckpoint, names: list[str], target: Path)
     writer, tensors = StreamingSafetensorsWriter(target / UNMAPPED, names), {}
     for name in names:
         data = ckpt.get(name)
-        offsets, digest = writer.add(name, data)
+        offsets, digest_of = writer.add(name, data)
         tensors[name] = {"dtype": writer.header[name]["dtype"], "shape": list(data.shape), "offsets": list(offsets),
-                         "sha256": digest}
+                         **digest_of}
     return {"file": UNMAPPED, "bytes": writer.close(), "params": {}, "tensors": tensors}
 
 

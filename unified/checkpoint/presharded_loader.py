@@ -3,16 +3,15 @@
 The rank's file holds exactly its parameters, already sliced and fused, in the order they are filled, so
 loading is one read per parameter (no slicing, no concatenation). Into host parameters of the stored dtype it
 reads the file straight into them with positional reads, as a plain sequential read would, while a background
-thread checks the previous tensor's sha256. Otherwise (device parameters, another dtype) it copies from a
-memory map: a background thread reads ahead (unified/checkpoint/prefetch.py), checking each tensor's sha256 as
-it reads it or, with checksums off, paging it in, while the caller copies the previous one into its parameter;
+thread checks the previous tensor's checksum (unified/checkpoint/digests.py). Otherwise (device parameters,
+another dtype) it copies from a memory map: a background thread reads ahead (unified/checkpoint/prefetch.py),
+checking each tensor's checksum as it reads it or, with checksums off, paging it in, while the caller copies the previous one into its parameter;
 once copied, a tensor's pages are unmapped so that the process does not keep the file resident. Quantized
 folders (converted with engine.quantization=) are read through quantized.dequantizing, as quantized HF
 checkpoints are.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import mmap
 import os
@@ -23,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from unified.checkpoint.digests import checked_digest, matches
 from unified.checkpoint.manifest import check_manifest_layout, read_manifest, shard_entry
 from unified.checkpoint.prefetch import prefetched
 from unified.checkpoint.quantized import dequantizing
@@ -51,7 +51,7 @@ class _StoredSlice:
 
 class RankFile:
     """One rank's file, memory-mapped. `get(name)` is a zero-copy view of a stored tensor, checked against the
-    manifest's sha256 the first time it is read (with `verify`); `param(name)` is one of our parameters as this
+    manifest's checksum the first time it is read (with `verify`); `param(name)` is one of our parameters as this
     rank holds it (dequantized if stored quantized). It reads like a SafetensorsCheckpoint (has, get, get_slice,
     shape, file_of), which is what quantized.dequantizing wraps."""
 
@@ -99,8 +99,8 @@ class RankFile:
             # one asynchronous read of the whole range; page faults alone would read it 128 KiB at a time
             self._map.madvise(mmap.MADV_WILLNEED, begin // PAGE * PAGE, end - begin // PAGE * PAGE)
         if self.verify and name not in self._checked:
-            if hashlib.sha256(self._bytes[begin:end]).hexdigest() != record["sha256"]:
-                raise _corrupt(self.path, name)
+            if not matches(record, self._bytes[begin:end]):
+                raise _corrupt(self.path, name, record)
             self._checked.add(name)
         elif not self.verify and name not in self._checked:
             self._bytes[begin:end:PAGE].tobytes()  # one byte a page: the pages come in now, in this thread
@@ -138,7 +138,7 @@ class RankFile:
         return view
 
     def matches(self, name: str, data: memoryview) -> bool:
-        return hashlib.sha256(data).hexdigest() == self.record(self.params[name]["stored"][0])["sha256"]
+        return matches(self.record(self.params[name]["stored"][0]), data)
 
     def release(self, name: str) -> None:
         """Unmaps the whole pages of `name`'s stored tensors (they stay in the page cache, not in this process)."""
@@ -187,18 +187,20 @@ def fill_from_rank_file(rank_file: RankFile, targets: dict[str, torch.Tensor],
     return set(names)
 
 
-def _corrupt(path: Path, name: str) -> CheckpointError:
-    return CheckpointError(f"tensor {name!r} in {path} does not match its sha256 in manifest.json: the file is "
+def _corrupt(path: Path, name: str, record: dict) -> CheckpointError:
+    return CheckpointError(f"tensor {name!r} in {path} does not match its {checked_digest(record)} in manifest.json: "
+                           f"the file is "
                            f"corrupt; copy it again, or convert again (recipe=convert)")
 
 
 def _read_directly(rank_file: RankFile, names: list[str], targets: dict[str, torch.Tensor],
                    progress: Callable[[int], None]) -> None:
     """`read_into` for each of `names`, in file order; with checksums on, background threads hash the tensors
-    read while the next ones are read (sha256 on one core is slower than a fast disk reads, so several tensors
-    are hashed at once where there are cores for it), and a mismatch is named once the reads are done."""
+    read while the next ones are read (several at once where there are cores for it: sha256, which folders
+    converted before xxh3_128 was recorded are checked with, is slower than a fast disk reads), and a mismatch
+    is named once the reads are done."""
     workers = max(1, min(HASH_THREADS, (os.cpu_count() or 2) - 1))  # the reading thread keeps a core
-    hasher = ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-sha256") if rank_file.verify else None
+    hasher = ThreadPoolExecutor(workers, thread_name_prefix="checkpoint-checksum") if rank_file.verify else None
     checks = []
     try:
         for done, name in enumerate(names, start=1):
@@ -208,7 +210,7 @@ def _read_directly(rank_file: RankFile, names: list[str], targets: dict[str, tor
             progress(done)
         for name, ok in checks:
             if not ok.result():
-                raise _corrupt(rank_file.path, name)
+                raise _corrupt(rank_file.path, name, rank_file.record(rank_file.params[name]["stored"][0]))
     finally:
         if hasher is not None:
             hasher.shutdown(wait=True, cancel_futures=True)

@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from unified.checkpoint.digests import digests
 from unified.errors import UserError
 
 INDEX = "model.safetensors.index.json"
@@ -147,7 +148,8 @@ class StreamingSafetensorsWriter:
     reserved from the names to come (a bound for each entry), the data are written after it as they arrive,
     and the header is written last, padded with spaces (which the format allows) to the reserved size. The file
     is written under a temporary name and renamed by `close`, so an interrupted write leaves no complete-looking
-    file. `add` returns the tensor's [begin, end) offsets in the file and the sha256 of its bytes.
+    file. `add` returns the tensor's [begin, end) offsets in the file and the digests of its bytes
+    (unified/checkpoint/digests.py).
     """
 
     def __init__(self, path: str | Path, names: list[str], metadata: dict[str, str] | None = None):
@@ -161,9 +163,7 @@ class StreamingSafetensorsWriter:
         self.header: dict[str, dict] = {}
         self.position = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> tuple[tuple[int, int], str]:
-        import hashlib
-
+    def add(self, name: str, tensor: torch.Tensor) -> tuple[tuple[int, int], dict[str, str]]:
         assert name not in self.header and tensor.dim() <= _MAX_DIMS, name
         data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         self.file.write(data)
@@ -171,7 +171,7 @@ class StreamingSafetensorsWriter:
         self.header[name] = {"dtype": DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [begin, end]}
         self.position = end
         start = 8 + self.header_room
-        return (start + begin, start + end), hashlib.sha256(data).hexdigest()
+        return (start + begin, start + end), digests(data)
 
     def close(self) -> int:
         """Writes the header, renames the file into place; returns its size in bytes."""
