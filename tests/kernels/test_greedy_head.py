@@ -85,22 +85,3 @@ def test_the_model_s_greedy_tokens_take_the_screen(tiny_checkpoint, runtime, fam
     with torch.no_grad():
         assert torch.equal(model.greedy_tokens(hidden), model.logits(hidden).argmax(-1))
     assert used
-
-
-@pytest.mark.parametrize("columns", [16384, 1000, 7])
-def test_the_cpu_screen_of_a_chunk_is_the_reference_s(columns):
-    from unified.kernels import cpu_ops
-    from unified.kernels.greedy_head import screen_chunk_reference
-
-    if not (cpu_ops.available() and hasattr(torch.ops.unified_cpu, "screen_rows")):
-        pytest.skip("the screen kernel is built for AVX-512 machines")
-    g = torch.Generator().manual_seed(columns)
-    approx = (torch.randn(5, columns, generator=g) * 4).to(torch.bfloat16)
-    error = torch.rand(5, generator=g)
-    start = torch.tensor([-float("inf"), 0.0, 3.0, 100.0, -1.0])  # the bound so far: none, low, high, above all
-    got_lower, want_lower = start.clone(), start.clone()
-    got = torch.ops.unified_cpu.screen_rows(approx, error, got_lower)
-    want = screen_chunk_reference(approx, error, want_lower)
-    assert torch.equal(got_lower, want_lower)
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 
 import torch
 
-from unified.kernels import cpu_ops
 from unified.kernels.linear import head_chunk_size, takes_inference_path
 
 BOUND = 2.0 ** -6
@@ -84,23 +83,6 @@ def pack_screen(weight: torch.Tensor, chunk: int | None = None) -> HeadScreen | 
     return HeadScreen(tuple(parts), tuple(weight.shape), weight._version)
 
 
-def screen_chunk_reference(approx: torch.Tensor, error: torch.Tensor,
-                           best_lower: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One vocabulary chunk of the screen: approx [R, C] bfloat16 logits, error [R] their bound per row. Raises
-    best_lower [R] (in place) to the largest lower bound of any logit, and returns the entries that can still
-    be the maximum, as (rows, columns, upper bounds)."""
-    approx = approx.float()
-    torch.maximum(best_lower, approx.amax(-1) - error, out=best_lower)
-    row, column = (approx >= (best_lower - error)[:, None]).nonzero(as_tuple=True)
-    return row, column, approx[row, column] + error[row]
-
-
-def _screen_chunk(approx: torch.Tensor, error: torch.Tensor, best_lower: torch.Tensor):
-    if cpu_ops.available() and hasattr(torch.ops.unified_cpu, "screen_rows"):  # AVX-512 builds
-        return torch.ops.unified_cpu.screen_rows(approx, error, best_lower)
-    return screen_chunk_reference(approx, error, best_lower)
-
-
 def screened_argmax(x: torch.Tensor, weight: torch.Tensor, screen: HeadScreen) -> torch.Tensor | None:
     """x [R, H] -> each row's first maximum of x @ weight.T (int64 [R]), or None where the screen cannot tell
     (the caller checked `screen.serves`)."""
@@ -108,16 +90,19 @@ def screened_argmax(x: torch.Tensor, weight: torch.Tensor, screen: HeadScreen) -
     norms = x.norm(dim=-1)
     if rows == 0 or not bool(torch.isfinite(norms).all()):
         return None
-    xb = x.to(torch.bfloat16)
+    low = torch.bfloat16
+    xb = x.to(low)
     best_lower = torch.full((rows,), -float("inf"))  # the largest lower bound of any logit so far, per row
     found, kept = [], 0
     for start, _, packed, max_norm in screen.chunks:
-        approx = torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], "")
-        row, column, upper = _screen_chunk(approx, norms * (BOUND * max_norm), best_lower)
+        approx = torch.ops.mkldnn._linear_pointwise(xb, packed, None, "none", [], "").float()
+        error = norms * (BOUND * max_norm)
+        best_lower = torch.maximum(best_lower, approx.amax(-1) - error)
+        row, column = (approx >= (best_lower - error)[:, None]).nonzero(as_tuple=True)
         kept += row.numel()
         if kept > MAX_CANDIDATES * rows:
             return None
-        found.append((row, column + start, upper))
+        found.append((row, column + start, approx[row, column] + error[row]))
     row, index, upper = (torch.cat(parts) for parts in zip(*found))
     keep = upper >= best_lower[row]  # the bound only rose after an entry was kept
     row, index = row[keep], index[keep]
