@@ -50,7 +50,6 @@ def test_weights_are_the_model_s_parameters(tiny_checkpoint, runtime):
 @pytest.mark.parametrize("family", ["qwen3", "llama"])  # tied head, and a head of its own
 @pytest.mark.parametrize("int8,int8_head", [(False, False), (True, False), (True, True)])
 def test_engine_copies_are_what_pack_weights_makes(tiny_checkpoint, runtime, family, int8, int8_head):
-    from unified.kernels import greedy_head
     from unified.kernels.linear import head_chunk_size
 
     config = model_config_from_hf(read_hf_config(tiny_checkpoint(family)))
@@ -60,13 +59,11 @@ def test_engine_copies_are_what_pack_weights_makes(tiny_checkpoint, runtime, fam
             p.normal_()
     model.int8_weights, model.int8_head = int8, int8_head
     model.pack_weights()
-    assert (model.head_screen is not None) == (greedy_head.available() and not int8_head)
     made = model.unpack_weights()
     tensors = rank_tensors(config, Stage(Layout()))
     tied = next(t.shape for t in tensors if t.name == "embed.weight") if config.tie_word_embeddings else None
-    screened = (config.vocab_size, config.hidden_size) if greedy_head.available() else None
     assert made == engine_copy_bytes(tensors, True, True, int8, int8_head, tied, head_chunk_size(),
-                                     packed_rows_multiple(), screened)
+                                     packed_rows_multiple())
 
 
 def test_an_mtp_drafter_s_layer_and_cache_layer_are_counted(tmp_path, run_config, runtime):

@@ -8,7 +8,6 @@ traced code calls.
 from unified.kernels.activation import gated_activation, gated_activation_reference
 from unified.kernels.argmax import argmax_rows, argmax_rows_reference
 from unified.kernels.cpu_ops import training_path
-from unified.kernels.greedy_head import HeadScreen, pack_screen, screened_argmax
 from unified.kernels.kv_quant import dequantize_kv, packed_dim, quantize_kv, scale_layout
 from unified.kernels.linear import (PackedHead, PackedWeight, head_argmax, head_logits, linear, pack_head, pack_weight,
                                      takes_inference_path)
@@ -21,8 +20,8 @@ from unified.kernels.rotary import apply_rotary, norm_rope_, norm_rope_applies
 from unified.kernels import ops  # noqa: E402,F401 (registers torch.ops.unified.*)
 
 __all__ = ["add_rms_norm", "apply_rotary", "argmax_rows", "argmax_rows_reference", "AttentionPlan", "dequantize_kv",
-           "gated_activation", "gated_activation_reference", "head_argmax", "head_logits", "HeadScreen", "linear",
-           "moe_experts", "norm_rope_", "norm_rope_applies", "pack_head", "pack_screen", "pack_weight", "packed_dim",
-           "PackedHead", "PackedWeight", "paged_attention", "paged_decode", "plan_paged_attention", "quantize_kv",
-           "rms_norm", "rms_norm_reference", "route_topk", "scale_layout", "screened_argmax", "set_backend",
-           "takes_inference_path", "training_path", "write_kv"]
+           "gated_activation", "gated_activation_reference", "head_argmax", "head_logits", "linear", "moe_experts",
+           "norm_rope_", "norm_rope_applies", "pack_head", "pack_weight", "packed_dim", "PackedHead", "PackedWeight",
+           "paged_attention", "paged_decode", "plan_paged_attention", "quantize_kv", "rms_norm",
+           "rms_norm_reference", "route_topk", "scale_layout", "set_backend", "takes_inference_path",
+           "training_path", "write_kv"]

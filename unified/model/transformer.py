@@ -117,7 +117,6 @@ class CausalLM(nn.Module):
                         if stage.last and not tied and not classifier else None)
         self.score = ScoreHead(config.hidden_size, config.num_labels, dtype) if stage.last and classifier else None
         self.tied_head_packed: kernels.PackedHead | None = None
-        self.head_screen: kernels.HeadScreen | None = None  # greedy choice screened in bfloat16 (kernels/greedy_head)
         # What `pack_weights` makes for inference: weight-only int8 copies of the linears (engine.quantization=int8),
         # the LM head's too with `int8_head` (engine.quantize_lm_head)
         self.int8_weights = self.int8_head = False
@@ -190,28 +189,13 @@ class CausalLM(nn.Module):
         return self._from_last_stage(out, (*hidden.shape[:-1], self.config.vocab_size), hidden)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[R, H] -> each row's most likely token (the first maximum of `logits`), int64 [R] on every rank. On CPU
-        inference the head's bfloat16 screen leaves a few candidates per row to compute in float32, or the tied
-        head packed in vocabulary chunks takes each chunk's maximum: the whole logits are never written out."""
-        screen, weight = self.head_screen, self._head_weight()
-        if screen is not None and screen.serves(hidden, weight):
-            tokens = kernels.screened_argmax(hidden, weight, screen)
-            if tokens is not None:
-                return tokens
+        """[R, H] -> each row's most likely token (the first maximum of `logits`), int64 [R] on every rank. With
+        the tied head packed in vocabulary chunks (CPU inference) the whole logits are never written out."""
         head = self.tied_head_packed
         if (head is not None and self.stage.size == 1 and self.embed.tp_group.size() == 1
                 and head.serves(hidden, self.embed.weight)):
             return kernels.head_argmax(hidden, head)
         return kernels.argmax_rows(self.logits(hidden))  # exact in any dtype: no upcast
-
-    def _head_weight(self) -> torch.Tensor | None:
-        """The LM head's weight [V, H] where it is the whole head of a single stage and rank (no bias, no adapter)."""
-        if self.stage.size != 1 or not self.stage.last or self.score is not None:
-            return None
-        if self.lm_head is None:
-            return self.embed.weight if self.embed.tp_group.size() == 1 else None
-        plain = self.lm_head.bias is None and getattr(self.lm_head, "lora", None) is None
-        return self.lm_head.weight if plain and self.lm_head.tp_group.size() == 1 else None
 
     def scores(self, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         """A sequence classifier's scores, on every rank: hidden [B, S, H], last [B] (the position each row
@@ -237,10 +221,6 @@ class CausalLM(nn.Module):
                 module.pack(int8=self.int8_weights and (module is not self.lm_head or self.int8_head))
         if self.config.tie_word_embeddings and self.stage.last:
             self.tied_head_packed = kernels.pack_head(self.embed.weight, int8=self.int8_weights and self.int8_head)
-        weight = self._head_weight()
-        quantized_head = self.int8_weights and self.int8_head
-        self.head_screen = (kernels.pack_screen(weight)
-                            if weight is not None and not quantized_head else None)
 
     def unpack_weights(self) -> int:
         """Drops the packed copies `pack_weights` made; returns their bytes."""
@@ -252,7 +232,4 @@ class CausalLM(nn.Module):
         if self.tied_head_packed is not None:
             freed += self.tied_head_packed.nbytes
             self.tied_head_packed = None
-        if self.head_screen is not None:
-            freed += self.head_screen.nbytes
-            self.head_screen = None
         return freed

@@ -101,14 +101,13 @@ def setting_for(cfg, hardware: HardwareConfig, context: int | None = None) -> Se
                         f"compute dtype: use plan.weights=auto with plan.mode=train")
     cpu = hardware.kind == "cpu"
     budget = hardware.memory_bytes // p.cards if cpu else hardware.memory_bytes
-    head_chunk, panel, head_screen = 0, 1, False
+    head_chunk, panel = 0, 1
     if cpu:
-        from unified.kernels import greedy_head
         from unified.kernels.linear import head_chunk_size
 
-        head_chunk, panel, head_screen = head_chunk_size(), packed_rows_multiple(), greedy_head.available()
+        head_chunk, panel = head_chunk_size(), packed_rows_multiple()
     return Setting(p.mode, DTYPES[dtype_name], p.weights, context or 0, budget, hardware.reserve_bytes, cpu,
-                   p.expert_load, cfg.engine, cfg.train, head_chunk, panel, head_screen)
+                   p.expert_load, cfg.engine, cfg.train, head_chunk, panel)
 
 
 def default_context(cfg, config: ModelConfig) -> int:

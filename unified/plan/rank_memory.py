@@ -54,7 +54,6 @@ class Setting:
     train: object  # TrainConfig
     head_chunk: int = 0  # CPU: vocabulary rows per chunk of a packed tied head
     panel: int = 1  # CPU: the output features a packed float32 copy rounds up to
-    head_screen: bool = False  # CPU: the engine screens greedy choices with a bfloat16 head (kernels/greedy_head)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -86,19 +85,16 @@ def _key_centres(config: ModelConfig, layout: Layout, stage: int, kv_dtype: str)
     return len(stage_layers(config.num_layers, layout.pipeline, stage)) * shape.heads * shape.dim * 4
 
 
-def _weights(config: ModelConfig, tensors: tuple[RankTensor, ...], s: Setting, layout: Layout,
-             stage_is_last: bool) -> dict[str, int]:
+def _weights(config: ModelConfig, tensors: tuple[RankTensor, ...], s: Setting, stage_is_last: bool) -> dict[str, int]:
     d = s.dtype.itemsize
     parts = weight_bytes(list(tensors), d, s.weights, s.engine.quantize_lm_head if s.mode == "serve" else False)
     if s.mode == "serve" and s.weights == "auto":
         tied = next((t.shape for t in tensors if t.kind == EMBEDDING), None) \
             if config.tie_word_embeddings and stage_is_last else None
         int8 = s.engine.quantization == "int8"
-        whole_head = s.head_screen and layout.tensor == 1 and layout.pipeline == 1 and config.num_labels is None
         parts["engine_copies"] = engine_copy_bytes(list(tensors), s.cpu and s.dtype == torch.float32,
                                                    s.engine.packed_weights or s.engine.quantization is not None,
-                                                   int8, s.engine.quantize_lm_head, tied, s.head_chunk, s.panel,
-                                                   (config.vocab_size, config.hidden_size) if whole_head else None)
+                                                   int8, s.engine.quantize_lm_head, tied, s.head_chunk, s.panel)
     return parts
 
 
@@ -113,8 +109,7 @@ def serve_breakdowns(config: ModelConfig, layout: Layout, kv_dtype: str, s: Sett
     for stage in range(layout.pipeline):
         tensors = stage_tensors(config, layout, stage)
         last = stage == layout.pipeline - 1
-        parts = {"reserve": s.reserve, "tokenizer": tokenizer_bytes(config),
-                 **_weights(config, tensors, s, layout, last)}
+        parts = {"reserve": s.reserve, "tokenizer": tokenizer_bytes(config), **_weights(config, tensors, s, last)}
         if mtp:
             parts["mtp_layer"] = weight_bytes(mtp_tensors(config, layout), d)["weights"]
         layers = stage_layers(config.num_layers, layout.pipeline, stage)

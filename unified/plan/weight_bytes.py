@@ -19,9 +19,7 @@ engine.quantization=int8 an int8 copy (+ a float32 scale per row) of every tenso
 with engine.quantize_lm_head), beside the full-precision weights, which stay; on CPU in float32 with
 engine.packed_weights (or quantization) a packed copy of every other tensor-parallel linear and of a tied head
 in vocabulary chunks: on AVX2 hosts in panels of 16 output features (the last panel padded with zeros),
-elsewhere in oneDNN's blocked layout, counted at the weight's own size as the engine counts it; and, on CPUs
-that multiply bfloat16 natively, a bfloat16 copy of an unquantized LM head that is whole on one rank, which
-screens greedy choices (unified/kernels/greedy_head.py).
+elsewhere in oneDNN's blocked layout, counted at the weight's own size as the engine counts it.
 """
 from __future__ import annotations
 
@@ -31,7 +29,6 @@ import os
 import torch
 
 from unified.errors import UserError
-from unified.kernels import greedy_head
 from unified.plan.inventory import HEAD, PROJECTION, RankTensor
 
 WEIGHT_FORMATS = ("auto", "fp8", "int8", "int4")
@@ -96,11 +93,10 @@ def weight_bytes(tensors: list[RankTensor], dtype_bytes: int, fmt: str = "auto",
 
 def engine_copy_bytes(tensors: list[RankTensor], cpu_float32: bool, packed_weights: bool, int8: bool,
                       quantize_lm_head: bool, tied_head: tuple[int, int] | None = None, head_chunk: int = 0,
-                      panel: int = PANEL, head_screen: tuple[int, int] | None = None) -> int:
+                      panel: int = PANEL) -> int:
     """Bytes of the copies the engine packs beside the weights (see the module docstring). `tied_head`: this
     rank's [rows, columns] of a tied embedding used as the head (None: none here), packed in chunks of
-    `head_chunk` rows; `panel`: the output features a float32 copy rounds up to (packed_rows_multiple);
-    `head_screen`: the [vocabulary, hidden] head the engine screens in bfloat16 (None: none)."""
+    `head_chunk` rows; `panel`: the output features a float32 copy rounds up to (packed_rows_multiple)."""
     if not (packed_weights or int8):
         return 0
     total = 0
@@ -114,8 +110,6 @@ def engine_copy_bytes(tensors: list[RankTensor], cpu_float32: bool, packed_weigh
         chunk = head_chunk or vocab
         for start in range(0, vocab, chunk):
             total += _copy_bytes(min(chunk, vocab - start), cols, int8 and quantize_lm_head, cpu_float32, panel)
-    if head_screen is not None and cpu_float32 and not (int8 and quantize_lm_head):
-        total += greedy_head.bytes_for(*head_screen)
     return total
 
 
