@@ -11,7 +11,7 @@ rm -rf .whl && mkdir -p .whl/tokenizer
 # Exactly the versions this venv runs, built for CPython 3.12 on x86-64 Linux.
 NAMES=(megatron-core hydra-core omegaconf pydantic pydantic_core annotated-types typing-inspection hjson gguf
        transformers huggingface_hub kernels typing_extensions httpx2 httpcore2 click hf-xet tomlkit truststore idna
-       anyio fastapi starlette uvicorn annotated-doc)
+       anyio fastapi starlette uvicorn annotated-doc xxhash)
 SPECS=()
 for name in "${NAMES[@]}"; do SPECS+=("$name==$(version "$name")"); done
 "${PIP[@]}" download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
