@@ -51,9 +51,16 @@ class ServerProcess:
         raise TimeoutError(f"server did not listen within {timeout}s:\n{self.output()}")
 
     def wait_ready(self, timeout: float = 180) -> None:
+        """Polls /health until it answers 200 or `timeout` passes; a poll that times out (the host busy while the
+        engine loads) counts as not ready yet."""
         self.wait_listening(timeout)
         deadline = time.monotonic() + timeout
-        while httpx.get(self.base_url + "/health", timeout=5).status_code != 200:
+        while True:
+            try:
+                if httpx.get(self.base_url + "/health", timeout=5).status_code == 200:
+                    return
+            except httpx.TimeoutException:
+                pass
             assert self.proc.poll() is None, f"server exited early:\n{self.output()}"
             assert time.monotonic() < deadline, f"server not ready within {timeout}s:\n{self.output()}"
             time.sleep(0.1)
