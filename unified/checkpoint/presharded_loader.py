@@ -5,10 +5,10 @@ loading is one read per parameter (no slicing, no concatenation). Into host para
 reads the file straight into them with positional reads, as a plain sequential read would, while a background
 thread checks the previous tensor's checksum (unified/checkpoint/digests.py). Otherwise (device parameters,
 another dtype) it copies from a memory map: a background thread reads ahead (unified/checkpoint/prefetch.py),
-checking each tensor's checksum as it reads it or, with checksums off, paging it in, while the caller copies the previous one into its parameter;
-once copied, a tensor's pages are unmapped so that the process does not keep the file resident. Quantized
-folders (converted with engine.quantization=) are read through quantized.dequantizing, as quantized HF
-checkpoints are.
+checking each tensor's checksum as it reads it or, with checksums off, paging it in, while the caller copies
+the previous one into its parameter; once copied, a tensor's pages are unmapped so that the process does not
+keep the file resident. Quantized folders (converted with engine.quantization=) are read through
+quantized.dequantizing, as quantized HF checkpoints are.
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ class RankFile:
         """Reads `name` from the file straight into `target` (see `direct`) with positional reads, no memory map
         and no copy in between: a host load is then the storage's sequential read into the parameters. Returns
         the target's bytes (for `matches`)."""
-        begin, end = self.record(self.params[name]["stored"][0])["offsets"]
+        begin, end = self.stored_record(name)["offsets"]
         view = memoryview(target.detach().reshape(-1).view(torch.uint8).numpy())
         with self.path.open("rb", buffering=0) as f:
             done = 0
@@ -137,8 +137,12 @@ class RankFile:
                 done += got
         return view
 
+    def stored_record(self, name: str) -> dict:
+        """The record of the one tensor that stores parameter `name` (see `direct`)."""
+        return self.record(self.params[name]["stored"][0])
+
     def matches(self, name: str, data: memoryview) -> bool:
-        return matches(self.record(self.params[name]["stored"][0]), data)
+        return matches(self.stored_record(name), data)
 
     def release(self, name: str) -> None:
         """Unmaps the whole pages of `name`'s stored tensors (they stay in the page cache, not in this process)."""
@@ -189,8 +193,7 @@ def fill_from_rank_file(rank_file: RankFile, targets: dict[str, torch.Tensor],
 
 def _corrupt(path: Path, name: str, record: dict) -> CheckpointError:
     return CheckpointError(f"tensor {name!r} in {path} does not match its {checked_digest(record)} in manifest.json: "
-                           f"the file is "
-                           f"corrupt; copy it again, or convert again (recipe=convert)")
+                           f"the file is corrupt; copy it again, or convert again (recipe=convert)")
 
 
 def _read_directly(rank_file: RankFile, names: list[str], targets: dict[str, torch.Tensor],
@@ -210,7 +213,7 @@ def _read_directly(rank_file: RankFile, names: list[str], targets: dict[str, tor
             progress(done)
         for name, ok in checks:
             if not ok.result():
-                raise _corrupt(rank_file.path, name, rank_file.record(rank_file.params[name]["stored"][0]))
+                raise _corrupt(rank_file.path, name, rank_file.stored_record(name))
     finally:
         if hasher is not None:
             hasher.shutdown(wait=True, cancel_futures=True)
