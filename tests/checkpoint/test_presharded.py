@@ -3,11 +3,13 @@ loading, and the errors a user meets (wrong layout, corrupt, truncated or missin
 Loading on two ranks is tests/parallel/test_presharded_two_ranks.py."""
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 
 from tests.conftest import run_cli
@@ -156,10 +158,6 @@ def single(runtime, tiny_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("recorded", ["xxh3_128", "sha256"])  # sha256 only: converted before xxh3_128 was recorded
 def test_a_corrupt_shard_is_named_unless_checksums_are_off(single, recorded):
-    import hashlib
-
-    import xxhash
-
     folder, shard = single
     record = shard["tensors"]["layers.1.attn.o_proj.weight"]
     begin, end = record["offsets"]

@@ -3,10 +3,9 @@
 Every suggestion is checked by planning again with it applied; none is offered that the planner itself calls
 infeasible. Tried in this order, each alone: the feasible layouts on the same cards (the best, then the one
 fewest changes away), a smaller KV cache dtype, a context the cache holds (engine.max_model_len), a larger
-share of free memory for the cache or a smaller explicit budget (engine.kv_cache_bytes, KV_ROOM_USED of the room
-the rest of the rank leaves), training's memory
-savers (ZeRO-3, optimizer offload, activation checkpointing, one row per micro-batch), quantized weights kept
-as stored, and finally more cards (the fewest, doubling, with the best layout there; for a CPU host, whose
+share of free memory for the cache or a smaller explicit budget (engine.kv_cache_bytes, KV_ROOM_USED of the
+room the rest of the rank leaves), training's memory savers (ZeRO-3, optimizer offload, activation
+checkpointing, one row per micro-batch), quantized weights kept as stored, and finally more cards (the fewest, doubling, with the best layout there; for a CPU host, whose
 processes share its memory, accelerators' cards).
 """
 from __future__ import annotations
