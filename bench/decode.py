@@ -1,20 +1,22 @@
-"""Decode speed at batch 1 and 16: fp32, int8 weights, n-gram speculation, beside the bandwidth roofline and peers.
+"""Decode speed at batch 1 and 16: fp32, int8 and int4 weights, n-gram speculation, beside the roofline and peers.
 
     .venv/bin/python bench/decode.py [--models smollm2,llama-bench] [--rounds 3] [--skip-peers]
 
 Modes of our engine (`engine.*` settings): fp32; int8 (`quantization=int8`, head in fp32); int8 + head
-(`quantize_lm_head=true` too); ngram (`speculative.method=ngram`, 4 draft tokens). Workloads, EOS ignored:
+(`quantize_lm_head=true` too); int4 (`quantization=int4`, head in fp32); ngram (`speculative.method=ngram`,
+4 draft tokens). Workloads, EOS ignored:
 `random` (128 random prompt tokens, 128 new, greedy: a model's greedy text on noise often loops, which the
 lookup then finds), `grounded` (greedy; repeat a given paragraph: SmolLM2 gets real text, the random-weight
 Llama random "paragraph" tokens it has no reason to repeat) and `sampled` (random prompts, temperature 1,
 seeded: the text rarely repeats, the no-match case for ngram; fp32 and ngram only). Decode tokens/s = new tokens after the first over the time they took (a
 run of 128 new tokens minus a run of 1), medians of the rounds; the roofline is each round's read bandwidth
-over the bytes a step reads (the weights as served: int8 copies at a byte per entry plus scales, the rest as
-loaded; KV not counted), times the batch. Quality (SmolLM2): int8 against fp32 logits on real prompts.
+over the bytes a step reads (the weights as served: int8 / int4 copies at a byte / half a byte per entry plus
+scales, the rest as loaded; KV not counted), times the batch. Quality (SmolLM2): quantized against fp32 logits
+on real prompts.
 
 Peers: vLLM's CPU build (bench/setup_peers.sh), plain and with its n-gram speculation, and `transformers`
 generate at batch 1 (with its prompt-lookup decoding on `grounded`). Neither has an int8 path for a
-full-precision checkpoint on CPU, so the int8 rows have no peer figure.
+full-precision checkpoint on CPU, so the int8 and int4 rows have no peer figure.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from throughput import HERE, VLLM, bench_model, matmul_gflops, read_bandwidth
 NEW_TOKENS = 128
 BATCHES = (1, 16)
 MODES = {"fp32": {}, "int8": {"quantization": "int8"},
-         "int8 + head": {"quantization": "int8", "quantize_lm_head": True},
+         "int8 + head": {"quantization": "int8", "quantize_lm_head": True}, "int4": {"quantization": "int4"},
          "ngram": {"speculative": {"method": "ngram", "num_tokens": 4}}}
 VLLM_NGRAM = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
                                      "prompt_lookup_min": 2}}
@@ -101,8 +103,8 @@ class OurEngine:
         return time.perf_counter() - start, [done[i].outputs[0].token_ids for i in ids]
 
     def step_bytes(self) -> int:
-        """Bytes of weights one decode step reads: int8 copies where the engine serves them, else the weights
-        (the input embedding only as a tied head)."""
+        """Bytes of weights one decode step reads: quantized copies where the engine serves them, else the
+        weights (the input embedding only as a tied head)."""
         from unified.model.parallel_layers import PackableLinear
 
         model = self.loaded.model
@@ -110,14 +112,14 @@ class OurEngine:
         for module in model.modules():
             if isinstance(module, PackableLinear):
                 served.add(id(module.weight))
-                int8 = module.packed is not None and module.packed.layout == "int8"
-                total += module.packed.nbytes if int8 else module.weight.numel() * module.weight.element_size()
+                quantized = module.packed is not None and module.packed.quantized
+                total += module.packed.nbytes if quantized else module.weight.numel() * module.weight.element_size()
         embed = model.embed.weight
         served.add(id(embed))
         if model.lm_head is None:
             head = model.tied_head_packed
-            int8 = head is not None and head.chunks[0][2].layout == "int8"
-            total += head.nbytes if int8 else embed.numel() * embed.element_size()
+            quantized = head is not None and head.chunks[0][2].quantized
+            total += head.nbytes if quantized else embed.numel() * embed.element_size()
         return total + sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in served)
 
 
@@ -129,12 +131,12 @@ def decode_rate(run, prompts: list[list[int]]) -> float:
 
 
 def quality(path: Path, tokenizer) -> dict[str, tuple[float, float, float]]:
-    """int8 modes against fp32 on real prompts: (mean cosine, min cosine, top-1 agreement) over all positions."""
+    """Quantized modes against fp32 on real prompts: (mean cosine, min cosine, top-1 agreement) over all positions."""
     from unified.checkpoint import load_model
 
     def logits(mode: dict) -> list[torch.Tensor]:
         model = load_model(path).model
-        model.int8_weights, model.int8_head = "quantization" in mode, mode.get("quantize_lm_head", False)
+        model.weight_quantization, model.quantize_head = mode.get("quantization"), mode.get("quantize_lm_head", False)
         model.pack_weights()
         out = []
         with torch.inference_mode():
@@ -145,7 +147,7 @@ def quality(path: Path, tokenizer) -> dict[str, tuple[float, float, float]]:
 
     full = torch.cat(logits({}))
     result = {}
-    for name in ("int8", "int8 + head"):
+    for name in ("int8", "int8 + head", "int4"):
         got = torch.cat(logits(MODES[name]))
         cos = torch.nn.functional.cosine_similarity(got, full, dim=-1)
         result[name] = (cos.mean().item(), cos.min().item(), (got.argmax(-1) == full.argmax(-1)).float().mean().item())

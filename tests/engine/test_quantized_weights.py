@@ -1,4 +1,4 @@
-"""engine.quantization=int8: the engine serves weight-only int8 copies of the linears it was given."""
+"""engine.quantization=int8|int4: the engine serves weight-only quantized copies of the linears it was given."""
 from __future__ import annotations
 
 import importlib
@@ -15,32 +15,33 @@ from unified.model.parallel_layers import PackableLinear
 linear_module = importlib.import_module("unified.kernels.linear")
 
 
-def _dequantized_copy(path, with_head: bool):
-    """The model with each linear's weight replaced by what its int8 copy encodes."""
+def _dequantized_copy(path, with_head: bool, quantization: str = "int8"):
+    """The model with each linear's weight replaced by what its int8 (int4) copy encodes."""
     loaded = load_model(path)
     with torch.no_grad():
         for module in loaded.model.modules():
             if isinstance(module, PackableLinear) and (module is not loaded.model.lm_head or with_head):
-                packed = linear_module.quantize_int8(module.weight)
-                module.weight.copy_(linear_module.int8_dequantize(packed.tensor, packed.scale))
+                packed = linear_module.pack_weight(module.weight, quantization=quantization)
+                module.weight.copy_(linear_module.dequantize(packed))
     return loaded
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_moe"])
-def test_int8_engine_computes_the_dequantized_model(family, tiny_checkpoint, runtime):
-    """Prefill and decode logits equal a plain forward of the weights the int8 copies stand for; the LM head
-    stays in full precision unless asked."""
+@pytest.mark.parametrize("family,quantization", [("llama", "int8"), ("qwen3", "int8"), ("qwen3_moe", "int8"),
+                                                 ("llama", "int4"), ("qwen3_moe", "int4")])
+def test_quantized_engine_computes_the_dequantized_model(family, quantization, tiny_checkpoint, runtime):
+    """Prefill and decode logits equal a plain forward of the weights the int8 / int4 copies stand for; the LM
+    head stays in full precision unless asked."""
     path = tiny_checkpoint(family)
     loaded = load_model(path)
-    engine = make_engine(loaded, quantization="int8")
+    engine = make_engine(loaded, quantization=quantization)
     linears = [m for m in loaded.model.modules() if isinstance(m, PackableLinear)]
     head = loaded.model.lm_head
-    assert all(m.packed.layout == "int8" for m in linears if m is not head)
-    assert head is None or head.packed is None or head.packed.layout != "int8"
+    assert all(m.packed.layout == quantization for m in linears if m is not head)
+    assert head is None or head.packed is None or not head.packed.quantized
     prompts = [[5, 17, 3, 99, 42, 8, 1], [7, 7, 7, 120, 33]]
     continuations = [[11, 12, 13, 14], [50, 60, 70]]
     got = run_teacher_forced(engine, prompts, continuations)
-    reference = _dequantized_copy(path, with_head=False).model
+    reference = _dequantized_copy(path, with_head=False, quantization=quantization).model
     for logits, prompt, continuation in zip(got, prompts, continuations):
         torch.testing.assert_close(logits, reference_logits(reference, prompt, continuation), rtol=1e-4, atol=1e-4)
 
@@ -62,7 +63,7 @@ def test_the_head_is_quantized_when_asked(tiny_checkpoint, runtime):
         with torch.inference_mode():
             hidden = reference(torch.tensor([ids]), torch.arange(len(ids)))[0, len(prompt) - 1:]
             packed = linear_module.quantize_int8((reference.lm_head or reference.embed).weight)
-            want = torch.nn.functional.linear(hidden, linear_module.int8_dequantize(packed.tensor, packed.scale))
+            want = torch.nn.functional.linear(hidden, linear_module.dequantize(packed))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
 from tests.conftest import run_cli
 from unified.checkpoint import load_model
@@ -45,9 +46,28 @@ def test_the_recipe_writes_int8_that_loads_as_the_engines_int8(runtime, tiny_che
     assert config["format"] == "int-quantized" and config["ignore"] == ["lm_head"]
     ids = torch.randint(0, 160, (1, 12), generator=torch.Generator().manual_seed(0))
     served = load_model(source)
-    served.model.int8_weights = True
+    served.model.weight_quantization = "int8"
     served.model.pack_weights()
     torch.testing.assert_close(_logits(load_model(tmp_path / "int8"), ids), _logits(served, ids), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_an_int4_checkpoint_is_served_as_its_own_int4_values(runtime, tiny_checkpoint, tmp_path):
+    """engine.quantization=int4 on a compressed-tensors int4 checkpoint: the copies the kernels read hold the
+    stored values and scales (as loaded they were dequantized), so the logits are the checkpoint's."""
+    quantize.run(_cfg(tiny_checkpoint("llama"), tmp_path / "int4", "int4", lm_head=False))
+    ids = torch.randint(0, 160, (1, 12), generator=torch.Generator().manual_seed(0))
+    served = load_model(tmp_path / "int4")
+    assert served.model.int4_group == json.loads((tmp_path / "int4" / "config.json").read_text())[
+        "quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]
+    served.model.weight_quantization = "int4"
+    served.model.pack_weights()
+    stored = load_file(tmp_path / "int4" / "model.safetensors")
+    copy = served.model.layers["0"].mlp.down_proj.packed
+    assert copy.layout == "int4"
+    assert torch.equal(copy.tensor.view(torch.int32), stored["model.layers.0.mlp.down_proj.weight_packed"])
+    assert torch.equal(copy.scale, stored["model.layers.0.mlp.down_proj.weight_scale"].float())
+    torch.testing.assert_close(_logits(served, ids), _logits(load_model(tmp_path / "int4"), ids), rtol=1e-5,
                                atol=1e-5)
 
 

@@ -151,9 +151,53 @@ def test_int8_weight_only_linear_matches_its_reference(rows, in_features, group)
     x = torch.randn(rows, in_features, generator=g)
     packed = linear_module.quantize_int8(weight, group=group)
     assert packed.tensor.dtype == torch.int8 and packed.scale.shape == (13, 2 if group else 1)
-    error = (linear_module.int8_dequantize(packed.tensor, packed.scale) - weight).abs()
+    error = (linear_module.dequantize(packed) - weight).abs()
     assert (error <= packed.scale.repeat_interleave(in_features // packed.scale.shape[1], 1) / 2 + 1e-6).all()
-    want = linear_module.int8_linear_reference(x, packed.tensor, packed.scale, bias)
+    want = linear_module.quantized_linear_reference(x, packed, bias)
     with torch.inference_mode():
         torch.testing.assert_close(kernels.linear(x, weight, bias, packed), want, rtol=1e-5, atol=1e-5)
     assert torch.equal(kernels.linear(x, weight, bias, packed), F.linear(x, weight, bias))  # training: the weight
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6, 16, 40])
+@pytest.mark.parametrize("in_features,group", [(256, None), (96, None), (100, None), (64, 16)])
+def test_int4_weight_only_linear_matches_its_reference(rows, in_features, group):
+    """As for int8: the C++ stream (AVX-512 over groups of 16 or more inputs, scalar otherwise: 100 inputs have
+    no such group and take one scale per output feature) and the chunked path equal x @ dequantized.T."""
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(13, in_features, generator=g), torch.randn(13, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
+    packed = linear_module.quantize_int4(weight, group=group)
+    groups = in_features // (group or linear_module.int4_group(in_features))
+    assert packed.tensor.dtype == torch.uint8 and packed.tensor.shape == (13, in_features // 2)
+    assert packed.scale.shape == (13, groups)
+    error = (linear_module.dequantize(packed) - weight).abs()
+    assert (error <= packed.scale.repeat_interleave(in_features // groups, 1) + 1e-6).all()  # -8 may clamp +8
+    plain = weight.view(13, groups, -1)  # no worse than the plain |w|max -> 7 scale, group by group
+    plain_scale = plain.abs().amax(-1, keepdim=True) / 7
+    plain_error = (torch.round(plain / plain_scale) * plain_scale - plain).square().sum(-1)
+    assert (error.view(13, groups, -1).square().sum(-1) <= plain_error + 1e-6).all()
+    want = linear_module.quantized_linear_reference(x, packed, bias)
+    with torch.inference_mode():
+        torch.testing.assert_close(kernels.linear(x, weight, bias, packed), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(kernels.linear(x, weight, bias, packed), F.linear(x, weight, bias))  # training: the weight
+
+
+@pytest.mark.parametrize("divisor", [7.0, 7.5])
+def test_int4_copies_of_a_symmetric_int4_checkpoint_are_its_own_values(divisor):
+    """Weights dequantized from a symmetric int4 checkpoint, whether its scales were |w|max / 7 (ours) or
+    compressed-tensors' |w|max / 7.5 with clamping, quantize back to the stored values and scales exactly, and
+    the packed bytes are compressed-tensors' int32 packing read as bytes."""
+    from unified.checkpoint.quantized import _unpack_int32, pack_int32
+
+    g = torch.Generator().manual_seed(3)
+    original = torch.randn(8, 256, generator=g) * 0.05
+    grouped = original.view(8, 2, 128)
+    scale = (grouped.abs().amax(-1) / divisor).to(torch.bfloat16).float()  # checkpoints store bf16 scales
+    q = torch.round(grouped / scale[..., None]).clamp(-8, 7).view(8, 256)
+    weight = (q.view(8, 2, 128) * scale[..., None]).view(8, 256)
+    packed = linear_module.quantize_int4(weight, group=128)
+    assert torch.equal(packed.scale, scale)
+    assert torch.equal(linear_module.dequantize(packed), weight)
+    assert torch.equal(_unpack_int32(packed.tensor.view(torch.int32), 4, (8, 256), "w"), q.to(torch.int8))
+    assert torch.equal(packed.tensor.view(torch.int32), pack_int32(q.to(torch.int8), 4))

@@ -145,9 +145,10 @@ def test_engine_agrees_across_layouts(tiny_mqa_checkpoint, tmp_path):
             assert max(abs(a["logprob"] - b["logprob"]) for a, b in zip(split[request_id], entries)) < 1e-4, layout
 
 
-def _speculation_on_two_ranks_keeps_one_ranks_tokens(model: Path, texts: list[str], tmp_path: Path, *spec: str):
+def _speculation_on_two_ranks_keeps_one_ranks_tokens(model: Path, texts: list[str], tmp_path: Path, *spec: str
+                                                     ) -> float:
     """Greedy batch answers to `texts` with speculation (`spec` overrides) on two tensor-parallel ranks: drafts
-    were verified, and the tokens are those of one rank without speculation."""
+    were verified, and the tokens are those of one rank without speculation. Returns the mean acceptance length."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt": text, "max_tokens": 16, "temperature": 0,
                                            "logprobs": 1, "ignore_eos": True}) + "\n" for i, text in enumerate(texts)))
@@ -156,11 +157,13 @@ def _speculation_on_two_ranks_keeps_one_ranks_tokens(model: Path, texts: list[st
     assert single.returncode == 0, single.stderr[-3000:]
     out = tmp_path / "tp2.jsonl"
     result = launch("deepspeed", "recipe=batch", *common, f"output={out}", "parallel=tp2", *spec)
-    drafts = re.search(r"speculative decoding: (\d+) drafts, mean acceptance length", result.stdout + result.stderr)
+    drafts = re.search(r"speculative decoding: (\d+) drafts, mean acceptance length ([\d.]+)",
+                       result.stdout + result.stderr)
     assert drafts and int(drafts.group(1)) > 0
     reference, split = _batch_logprobs(tmp_path / "one.jsonl"), _batch_logprobs(out)
     for request_id, entries in reference.items():
         assert [e["token_id"] for e in split[request_id]] == [e["token_id"] for e in entries]
+    return float(drafts.group(2))
 
 
 def test_speculative_decoding_under_tensor_parallel_keeps_the_greedy_tokens(tiny_mqa_checkpoint, tmp_path):
@@ -168,6 +171,16 @@ def test_speculative_decoding_under_tensor_parallel_keeps_the_greedy_tokens(tiny
     _speculation_on_two_ranks_keeps_one_ranks_tokens(
         tiny_mqa_checkpoint, ["one two three four " * (2 + i) for i in range(4)], tmp_path,
         "engine.speculative.method=ngram", "engine.speculative.prompt_lookup_min=1")
+
+
+def test_a_draft_model_under_tensor_parallel_keeps_the_greedy_tokens(tiny_mqa_checkpoint, tmp_path):
+    """A draft model split over the target's two ranks, its engine's steps followed by both; drafting with the
+    target's own weights, every draft stands."""
+    accepted = _speculation_on_two_ranks_keeps_one_ranks_tokens(
+        tiny_mqa_checkpoint, [f"Question {i}: " + "why " * (1 + 2 * i) for i in range(4)], tmp_path,
+        "engine.speculative.method=draft", f"engine.speculative.draft_model={tiny_mqa_checkpoint}",
+        "engine.speculative.num_tokens=3")
+    assert accepted > 3.0
 
 
 def test_mtp_drafts_under_tensor_parallel_keep_the_greedy_tokens(smollm2_checkpoint, tmp_path):

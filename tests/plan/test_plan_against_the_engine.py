@@ -48,8 +48,8 @@ def test_weights_are_the_model_s_parameters(tiny_checkpoint, runtime):
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])  # tied head, and a head of its own
-@pytest.mark.parametrize("int8,int8_head", [(False, False), (True, False), (True, True)])
-def test_engine_copies_are_what_pack_weights_makes(tiny_checkpoint, runtime, family, int8, int8_head):
+@pytest.mark.parametrize("quantization,head", [(None, False), ("int8", False), ("int8", True), ("int4", True)])
+def test_engine_copies_are_what_pack_weights_makes(tiny_checkpoint, runtime, family, quantization, head):
     from unified.kernels.linear import head_chunk_size
 
     config = model_config_from_hf(read_hf_config(tiny_checkpoint(family)))
@@ -57,12 +57,12 @@ def test_engine_copies_are_what_pack_weights_makes(tiny_checkpoint, runtime, fam
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()
-    model.int8_weights, model.int8_head = int8, int8_head
+    model.weight_quantization, model.quantize_head = quantization, head
     model.pack_weights()
     made = model.unpack_weights()
     tensors = rank_tensors(config, Stage(Layout()))
     tied = next(t.shape for t in tensors if t.name == "embed.weight") if config.tie_word_embeddings else None
-    assert made == engine_copy_bytes(tensors, True, True, int8, int8_head, tied, head_chunk_size(),
+    assert made == engine_copy_bytes(tensors, True, True, quantization, head, tied, head_chunk_size(),
                                      packed_rows_multiple())
 
 

@@ -25,7 +25,7 @@ import math
 import torch
 
 from unified.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
-from unified.kernels.linear import quantize_int8
+from unified.kernels.linear import INT4_GROUPS, quantize_int4, quantize_int8
 
 FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
 PACKED = "pack-quantized"
@@ -52,6 +52,20 @@ def dequantizing(ckpt: SafetensorsCheckpoint, hf) -> SafetensorsCheckpoint:
     raise CheckpointError(f"{ckpt.directory / 'config.json'}: quantization_config.quant_method={method!r} is not "
                           f"supported; we load fp8 (block-scaled, DeepSeek-V3's format) and compressed-tensors "
                           f"weight-only checkpoints, or full-precision ones")
+
+
+def stored_int4_group(hf) -> int | None:
+    """Inputs per scale of a symmetric group-wise int4 compressed-tensors checkpoint (None for any other), which
+    the engine's int4 copies keep so that they hold the checkpoint's own values (kernels.quantize_int4)."""
+    config = quantization_config(hf)
+    if config is None or config.get("quant_method") != "compressed-tensors":
+        return None
+    for group in (config.get("config_groups") or {}).values():
+        weights = group.get("weights") or {}
+        if (weights.get("num_bits") == 4 and weights.get("symmetric", True) and weights.get("strategy") == "group"
+                and weights.get("group_size")):
+            return int(weights["group_size"])
+    return None
 
 
 class _Dequantized:
@@ -250,7 +264,6 @@ def _unpack_int32(packed: torch.Tensor, bits: int, shape: tuple[int, ...], name:
 # Writing them (`unified recipe=quantize`) -------------------------------------------------------------------
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size
-INT4_GROUPS = (128, 64, 32)  # inputs per int4 scale: the largest that divides every quantized input size
 
 
 def quantizes(name: str, shape: tuple[int, ...], method: str, lm_head: bool) -> bool:
@@ -282,13 +295,10 @@ def quantize_tensor(name: str, tensor: torch.Tensor, method: str, group: int = I
     if method == "int8":  # compressed-tensors int-quantized: the engine's own int8, one scale per output channel
         packed = quantize_int8(w)
         return {name: packed.tensor, f"{name}_scale": packed.scale}
-    if method == "int4":  # compressed-tensors pack-quantized, symmetric, group scales
-        rows, cols = w.shape
-        grouped = w.view(rows, cols // group, group)
-        scale = (grouped.abs().amax(-1) / 7).clamp(min=torch.finfo(torch.float32).tiny)
-        q = torch.round(grouped / scale[..., None]).clamp_(-8, 7).to(torch.int8).view(rows, cols)
-        return {f"{name}_packed": pack_int32(q, 4), f"{name}_scale": scale,
-                f"{name}_shape": torch.tensor([rows, cols], dtype=torch.int64)}
+    if method == "int4":  # compressed-tensors pack-quantized, symmetric, group scales: the engine's own int4,
+        packed = quantize_int4(w, group=group)  # whose bytes are that format's int32 words (group >= 16)
+        return {f"{name}_packed": packed.tensor.view(torch.int32), f"{name}_scale": packed.scale,
+                f"{name}_shape": torch.tensor(list(w.shape), dtype=torch.int64)}
     if method == "fp8":  # DeepSeek-V3's block format
         *lead, rows, cols = w.shape
         grid_r, grid_c = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)

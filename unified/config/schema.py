@@ -66,8 +66,9 @@ class EngineConfig:
     # graphs captured per padded batch size; see unified/engine/decode_graphs.py)
     enforce_eager: bool = False
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
-    # Weights served quantized: None (as loaded) | int8 (weight-only, one scale per output feature, made at start
-    # from the loaded weights; embeddings, norms, routers and the routed experts stay as loaded)
+    # Weights served quantized: None (as loaded) | int8 (weight-only, one scale per output feature) | int4
+    # (weight-only, one scale per group of inputs; a symmetric INT4 checkpoint's own groups), made at start from
+    # the loaded weights; embeddings, norms, routers and the routed experts stay as loaded
     quantization: Optional[str] = None
     quantize_lm_head: bool = False  # with quantization: the LM head too (kept in full precision by default)
     # A pre-sharded model= folder (recipe=convert): check each tensor against the manifest's sha256 as it is read

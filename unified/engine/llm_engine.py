@@ -30,11 +30,11 @@ from unified.engine.sampler import prompt_logprob_entry, sample
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
-from unified.engine.speculative import cache_layers, speculator_for
+from unified.engine.speculative import DrafterCommand, cache_layers, speculator_for
 from unified.engine.trainer_link import COMMANDS as TRAINER_COMMANDS, TrainerLink
 from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
 from unified.errors import UserError
-from unified.kernels import cpu_ops
+from unified.kernels import QUANTIZATIONS, cpu_ops
 from unified.runtime.host_memory import retain_freed_host_memory
 from unified.runtime.memory_report import log_against_plan
 
@@ -68,7 +68,8 @@ class LLMEngine:
         if device.type == "cpu":
             retain_freed_host_memory()  # steps would otherwise fault their activations in afresh
             cpu_ops.cache_host_allocations()  # those above glibc's 32 MiB heap limit too (builds the kernels now)
-        model.int8_weights, model.int8_head = self.serves_int8(engine_cfg), engine_cfg.quantize_lm_head
+        model.weight_quantization = self.served_quantization(engine_cfg)
+        model.quantize_head = engine_cfg.quantize_lm_head
         if self.packs_weights:
             model.pack_weights()
         self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes, accelerator, engine_cfg.image_prefetch,
@@ -114,17 +115,16 @@ class LLMEngine:
         return [*self.model.stage.layers, *cache_layers(self.cfg.speculative, self.config)]
 
     @staticmethod
-    def serves_int8(cfg) -> bool:
-        """Whether the weights are served as int8 copies; a clear error for a setting that cannot run."""
-        if cfg.quantization is None:
-            return False
-        if cfg.quantization == "int8":
-            return True
-        if cfg.quantization in ("fp8", "int4"):
-            raise UserError(f"engine.quantization={cfg.quantization} is not available for full-precision weights "
-                            f"yet: use int8, or load a checkpoint already quantized to it (block-FP8 or "
-                            f"compressed-tensors INT4 load as they are)")
-        raise UserError(f"engine.quantization={cfg.quantization!r} is unknown; use int8, or null")
+    def served_quantization(cfg) -> str | None:
+        """The weight-only copies the linears are served as ("int8", "int4"), None for the weights as loaded; a
+        clear error for a setting that cannot run."""
+        if cfg.quantization is None or cfg.quantization in QUANTIZATIONS:
+            return cfg.quantization
+        if cfg.quantization == "fp8":
+            raise UserError("engine.quantization=fp8 is not available for full-precision weights yet: use int8 or "
+                            "int4, or load a checkpoint already quantized to it (block-FP8 checkpoints load as they "
+                            "are)")
+        raise UserError(f"engine.quantization={cfg.quantization!r} is unknown; use int8, int4, or null")
 
     def _capture_decode_graphs(self, accelerator) -> None:
         cache = self.runner.cache
@@ -224,8 +224,8 @@ class LLMEngine:
         if isinstance(command, TRAINER_COMMANDS):
             self.link.follow(command)
             return
-        if isinstance(command, MTPForward):
-            self.speculator.drafter.run(command)
+        if isinstance(command, (DrafterCommand, MTPForward)):
+            self.speculator.drafter.follow(command)
             return
         try:
             staged, error = stage_weights(command.path, self.model, self.dtype), None

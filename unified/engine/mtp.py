@@ -36,13 +36,13 @@ class MTPDrafter:
     """A drafter (speculative.py's `Drafter` interface) over the MTP layer."""
 
     def __init__(self, layer: MTPLayer, model, runner, pack: bool):
-        """`pack`: give the layer's matmuls the packed (or int8) weight copies the model's have."""
+        """`pack`: give the layer's matmuls the packed (or quantized) weight copies the model's have."""
         self.layer, self.model, self.runner = layer, model, runner
         runner.keeps_hidden = True
         if pack:
             for module in layer.modules():
                 if isinstance(module, PackableLinear):
-                    module.pack(int8=model.int8_weights)
+                    module.pack(model.weight_quantization, model.int4_group)
 
     def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
         """For each (sequence, room): its first draft, repeated as placeholders up to `room` (see the module)."""
@@ -98,6 +98,9 @@ class MTPDrafter:
         if self.runner.distributed:
             self.runner.command(command)
         return self.run(command)
+
+    def follow(self, command: "MTPForward") -> None:
+        self.run(command)
 
     @torch.inference_mode()
     def run(self, command: "MTPForward") -> tuple[list[int], torch.Tensor]:

@@ -19,10 +19,10 @@ them, and blocks held only for them go back to the pool (prefix-cache hashes cov
 Drafters: `ngram` (prompt lookup: the continuation of the latest earlier occurrence of the sequence's
 last n tokens, n from `prompt_lookup_max` down to `prompt_lookup_min`; vLLM's `ngram` method), `draft` (a
 smaller model with the same vocabulary continues each sequence greedily; it runs in an engine of its own on
-the driver, whose prefix cache keeps each sequence's context between steps, so a step's drafts cost the new
-tokens' prefill and `num_tokens - 1` decodes of the small model) and `mtp` (the checkpoint's own
-multi-token prediction layer, unified/engine/mtp.py). Every proposal is a point mass (a greedy choice), so
-the rule above is exact for each.
+the target's ranks, split as the target is, whose prefix cache keeps each sequence's context between steps,
+so a step's drafts cost the new tokens' prefill and `num_tokens - 1` decodes of the small model) and `mtp`
+(the checkpoint's own multi-token prediction layer, unified/engine/mtp.py). Every proposal is a point mass (a
+greedy choice), so the rule above is exact for each.
 
 Sequences with repetition, presence or frequency penalties, or processed-mode logprobs, decode one token
 per step (their processing depends on every earlier token, drafts included).
@@ -119,6 +119,19 @@ class Drafter:
     def after_step(self, batch) -> None:
         """After the step's tokens are chosen and appended."""
 
+    def follow(self, command) -> None:
+        """On a follower rank of a multi-rank engine: obeys a `DrafterCommand` the driver's drafter sent."""
+        raise NotImplementedError
+
+
+class DrafterCommand:
+    """A message from the driver's drafter to the followers' (`Drafter.follow`), between the target's steps
+    (method `mtp`'s is `MTPForward`)."""
+
+
+class FollowDraftSteps(DrafterCommand):
+    """Method `draft` on several ranks: follow the draft engine's steps until its driver releases them."""
+
 
 class NgramDrafter(Drafter):
     def __init__(self, cfg):
@@ -200,10 +213,14 @@ class Speculator:
 
 
 class DraftModel(Drafter):
-    """Method `draft`: a small model's engine that continues the target's sequences greedily."""
+    """Method `draft`: a small model's engine that continues the target's sequences greedily.
 
-    def __init__(self, engine):
-        self.engine = engine
+    On several ranks the draft model is split as the target is and its engine spans the same ranks: the
+    driver tells the target's followers to follow the draft engine's steps while it drafts, then releases
+    them back to the target's."""
+
+    def __init__(self, engine, target_runner):
+        self.engine, self.target_runner = engine, target_runner
 
     def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
         """[] where the context does not fit the draft's engine."""
@@ -215,9 +232,17 @@ class DraftModel(Drafter):
             except InvalidRequest:
                 ids.append(None)
         done = {}
-        while self.engine.has_unfinished():
-            done.update((out.request_id, out.outputs[0].token_ids) for out in self.engine.step())
+        if self.engine.has_unfinished() and self.target_runner.distributed:
+            self.target_runner.command(FollowDraftSteps())
+        try:
+            while self.engine.has_unfinished():
+                done.update((out.request_id, out.outputs[0].token_ids) for out in self.engine.step())
+        finally:
+            self.engine.release_followers()
         return [done.get(i, []) if i is not None else [] for i in ids]
+
+    def follow(self, command: FollowDraftSteps) -> None:
+        self.engine.follow(ignore_signals=False)
 
 
 def cache_layers(spec, config) -> list[int]:
@@ -237,14 +262,11 @@ def speculator_for(engine, draft_model, accelerator) -> Speculator | None:
     check_config(spec)
     if spec.method == "ngram":
         drafter = NgramDrafter(spec)
-    elif spec.method == "draft" and engine.runner.distributed:
-        raise UserError("engine.speculative.method=draft runs on one rank for now; use method=ngram or mtp "
-                        "under tensor, pipeline or expert parallelism")
-    elif spec.method == "mtp" and engine.model.stage.size > 1:
-        raise UserError("engine.speculative.method=mtp does not run under pipeline parallelism yet; use "
-                        "tensor or expert parallelism, or method=ngram")
+    elif spec.method in ("draft", "mtp") and engine.model.stage.size > 1:
+        raise UserError(f"engine.speculative.method={spec.method} does not run under pipeline parallelism yet; use "
+                        f"tensor or expert parallelism, or method=ngram")
     elif spec.method == "draft":
-        drafter = DraftModel(_draft_engine(engine, draft_model, accelerator))
+        drafter = DraftModel(_draft_engine(engine, draft_model, accelerator), engine.runner)
     else:
         if not engine.config.num_mtp_layers or draft_model is None:
             raise UserError("engine.speculative.method=mtp: the model has no multi-token prediction layer loaded "
@@ -269,4 +291,5 @@ def _draft_engine(engine, draft_model, accelerator):
                           max_num_batched_tokens=cfg.max_num_batched_tokens, chunked_prefill=cfg.chunked_prefill,
                           packed_weights=cfg.packed_weights, num_blocks=engine.blocks.num_blocks,
                           max_model_len=engine.max_model_len, enforce_eager=True)
-    return type(engine)(draft_model, None, draft_cfg, engine.device, engine.dtype, accelerator)
+    return type(engine)(draft_model, None, draft_cfg, engine.device, engine.dtype, accelerator,
+                        group=engine.runner.group)

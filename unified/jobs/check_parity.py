@@ -4,8 +4,8 @@ our model and `transformers` on the same checkpoint and exits non-zero below the
 A vision-language checkpoint is compared twice: on the text alone, and on the text with two sample photos
 from scikit-image, of different sizes (prepared by the checkpoint's own image processor), in the middle of it.
 
-With `engine.quantization=int8` our side runs the int8 copies the engine would serve (the inference path),
-so the report is the quantized model's cosine against its full-precision source; set `check.min_cosine`
+With `engine.quantization=int8|int4` our side runs the quantized copies the engine would serve (the inference
+path), so the report is the quantized model's cosine against its full-precision source; set `check.min_cosine`
 and `check.max_abs_diff` to the bar that quantization is held to."""
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ def run(cfg) -> None:
     runtime = start_runtime(cfg.device, cfg.parallel, cfg.seed)
     path = resolve_model(cfg.model)
     ours = load_model(path, runtime.device, runtime.dtype)
-    quantized = LLMEngine.serves_int8(cfg.engine)
+    quantized = LLMEngine.served_quantization(cfg.engine)
     if quantized:
-        ours.model.int8_weights, ours.model.int8_head = True, cfg.engine.quantize_lm_head
+        ours.model.weight_quantization, ours.model.quantize_head = quantized, cfg.engine.quantize_lm_head
         ours.model.pack_weights()
     reference = reference_model(path, runtime.dtype).to(runtime.device)
     ids = _input_ids(path, cfg.prompt, cfg.check.num_tokens, ours.config.vocab_size).to(runtime.device)
@@ -60,7 +60,7 @@ def run(cfg) -> None:
         if ours.config.vision is not None:
             family = f"{ours.config.vision.kind}, {family} text"
         if quantized:
-            family += f", served as int8{' with the LM head' if cfg.engine.quantize_lm_head else ''}"
+            family += f", served as {quantized}{' with the LM head' if cfg.engine.quantize_lm_head else ''}"
         print(f"parity of {path} ({family}, {ids.shape[1]} tokens, {runtime.dtype}, [{layout}] on "
               f"{torch.distributed.get_world_size()} ranks) against transformers:")
         for title, report in reports.items():

@@ -18,9 +18,11 @@ On CPU, in float32 and with no gradient wanted, `linear` avoids F.linear's MKL s
 Results differ from F.linear by rounding only. Training (autograd), `kernels.backend=reference` and other
 dtypes and devices use F.linear.
 
-Two more copies an engine may ask for: weight-only int8 (`quantize_int8`, engine.quantization=int8), which
-`linear` uses on any device, streamed by `unified_cpu::int8_linear` for decode-sized steps on CPU; and a tied
-LM head packed in vocabulary chunks (`pack_head`), whose greedy argmax never writes the whole logits out.
+More copies an engine may ask for: weight-only int8 (`quantize_int8`, engine.quantization=int8) and int4
+(`quantize_int4`, engine.quantization=int4, or a compressed-tensors int4 checkpoint's own values), which
+`linear` uses on any device, streamed by `unified_cpu::int8_linear` / `int4_linear` for decode-sized steps on
+CPU; and a tied LM head packed in vocabulary chunks (`pack_head`), whose greedy argmax never writes the whole
+logits out.
 """
 from __future__ import annotations
 
@@ -41,10 +43,15 @@ SKINNY_MAX_ROWS = 8  # measured here: 1.2-1.37x over oneDNN for 1-8 rows over Sm
 class PackedWeight:
     tensor: torch.Tensor  # the packed copy, in `layout`
     version: int  # the weight's `_version` when packed
-    layout: str  # "panels" (unified_cpu::pack_panels), "onednn" (oneDNN's blocked layout) or "int8" (below)
+    # "panels" (unified_cpu::pack_panels), "onednn" (oneDNN's blocked layout), "int8" or "int4" (below)
+    layout: str
     # The version counters of the adapter folded into the copy (weight + its LoRA delta), None: the weight alone
     adapter: tuple[int, ...] | None = None
-    scale: torch.Tensor | None = None  # "int8": float32 [out, groups]; see quantize_int8
+    scale: torch.Tensor | None = None  # "int8", "int4": float32 [out, groups]; see quantize_int8, quantize_int4
+
+    @property
+    def quantized(self) -> bool:
+        return self.layout in QUANTIZATIONS
 
     @property
     def nbytes(self) -> int:
@@ -56,16 +63,23 @@ def _panels_available() -> bool:
     return cpu_ops.available() and hasattr(torch.ops.unified_cpu, "panel_linear")  # AVX2 builds only
 
 
-def pack_weight(weight: torch.Tensor, delta: torch.Tensor | None = None,
-                adapter: tuple[int, ...] | None = None, int8: bool = False) -> PackedWeight | None:
+def pack_weight(weight: torch.Tensor, delta: torch.Tensor | None = None, adapter: tuple[int, ...] | None = None,
+                quantization: str | None = None, int4_group: int | None = None) -> PackedWeight | None:
     """A packed copy of a CPU float32 weight [out, in] (plus `delta`, an adapter's update of it, whose
-    parameters' version counters are `adapter`); None where `linear` would not use one. `int8`: a weight-only
-    int8 copy instead (`quantize_int8`), on any device."""
+    parameters' version counters are `adapter`); None where `linear` would not use one. `quantization` "int8"
+    or "int4": a weight-only quantized copy instead (`quantize_int8`, `quantize_int4`, the latter with
+    `int4_group` inputs per scale where that divides the weight's inputs), on any device."""
     if weight.is_inference():
         return None  # inference-mode tensors keep no version counter to tell a stale copy by
-    if int8:
+    if quantization is not None:
+        if quantization not in QUANTIZATIONS:
+            raise ValueError(f"weight-only quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
         with torch.no_grad():
-            return quantize_int8(weight if delta is None else weight + delta.to(weight.dtype), weight._version, adapter)
+            source = weight if delta is None else weight + delta.to(weight.dtype)
+            if quantization == "int8":
+                return quantize_int8(source, weight._version, adapter)
+            group = int4_group if int4_group and source.shape[1] % int4_group == 0 else None
+            return quantize_int4(source, weight._version, adapter, group)
     if not (weight.device.type == "cpu" and weight.dtype == torch.float32):
         return None
     with torch.no_grad():
@@ -87,9 +101,9 @@ def takes_inference_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """F.linear: x [..., in] @ weight [out, in].T + bias, through `packed` when it is still the weight's."""
-    if (packed is not None and packed.layout == "int8" and packed.version == weight._version
+    if (packed is not None and packed.quantized and packed.version == weight._version
             and not torch.compiler.is_compiling() and cpu_ops.inference_path() and registry.backend() != "reference"):
-        return int8_linear(x, packed, bias)  # any device: the weights the engine was asked to serve in int8
+        return quantized_linear(x, packed, bias)  # any device: the weights the engine was asked to serve quantized
     if torch.compiler.is_compiling() or not takes_inference_path(x, weight):
         return F.linear(x, weight, bias)
     rows = x.numel() // max(x.shape[-1], 1)
@@ -112,8 +126,8 @@ def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 def _packed_linear(x: torch.Tensor, packed: PackedWeight, out_features: int,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ the packed weight [out_features, in].T (+ bias) -> [..., out_features]."""
-    if packed.layout == "int8":
-        return int8_linear(x, packed, bias)
+    if packed.quantized:
+        return quantized_linear(x, packed, bias)
     if packed.layout == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
     rows = x.numel() // max(x.shape[-1], 1)
@@ -161,12 +175,13 @@ def head_chunk_size(rows: int = 64) -> int:
     return max(1024, last_level // 8 // (4 * rows) // 256 * 256)
 
 
-def pack_head(weight: torch.Tensor, chunk: int | None = None, int8: bool = False) -> PackedHead | None:
+def pack_head(weight: torch.Tensor, chunk: int | None = None, quantization: str | None = None,
+              int4_group: int | None = None) -> PackedHead | None:
     """`weight` [V, H] packed in chunks of `chunk` (default `head_chunk_size()`) vocabulary entries (weight-only
-    int8 with `int8`); None where `pack_weight` packs nothing."""
+    int8 or int4 with `quantization`, as `pack_weight`); None where `pack_weight` packs nothing."""
     chunk, parts = chunk or head_chunk_size(), []
     for start in range(0, weight.shape[0], chunk):
-        packed = pack_weight(weight[start:start + chunk], int8=int8)
+        packed = pack_weight(weight[start:start + chunk], quantization=quantization, int4_group=int4_group)
         if packed is None:
             return None
         parts.append((start, min(start + chunk, weight.shape[0]), packed))
@@ -193,8 +208,10 @@ def head_argmax(x: torch.Tensor, head: PackedHead) -> torch.Tensor:
     return index
 
 
-INT8_KERNEL_MAX_ROWS = 16  # rows unified_cpu::int8_linear takes; more rows dequantize a chunk at a time
-INT8_CHUNK_ELEMENTS = 1 << 22  # weight entries dequantized at once otherwise (16 MiB of float32)
+QUANTIZATIONS = ("int8", "int4")  # the weight-only copies `pack_weight` makes
+QUANTIZED_KERNEL_MAX_ROWS = 16  # rows unified_cpu::int8_linear / int4_linear take; more dequantize a chunk at a time
+DEQUANTIZED_CHUNK_ELEMENTS = 1 << 22  # weight entries dequantized at once otherwise (16 MiB of float32)
+INT4_GROUPS = (128, 64, 32, 16)  # inputs per int4 scale: the largest that divides the weight's input width
 
 
 def quantize_int8(weight: torch.Tensor, version: int | None = None, adapter: tuple[int, ...] | None = None,
@@ -211,28 +228,72 @@ def quantize_int8(weight: torch.Tensor, version: int | None = None, adapter: tup
                         scale.contiguous())
 
 
-def int8_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """q [N, K] int8, scale [N, G] -> the weight [N, K] in `dtype`."""
-    rows, cols = q.shape
-    return (q.view(rows, scale.shape[1], -1).to(dtype) * scale[..., None].to(dtype)).view(rows, cols)
+def int4_group(in_features: int) -> int:
+    """Inputs per int4 scale for a weight of `in_features` inputs: the largest of INT4_GROUPS that divides it,
+    else the whole row (one scale per output feature)."""
+    return next((g for g in INT4_GROUPS if in_features % g == 0), in_features)
 
 
-def int8_linear_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    return F.linear(x, int8_dequantize(q, scale, x.dtype), bias)
+def quantize_int4(weight: torch.Tensor, version: int | None = None, adapter: tuple[int, ...] | None = None,
+                  group: int | None = None) -> PackedWeight:
+    """Weight-only int4, symmetric, one scale per `group` inputs of each output feature (default `int4_group`):
+    values q in [-8, 7], w = q * scale, stored two to a byte as compressed-tensors' pack-quantized format stores
+    them (q + 8, the even input in the low nibble). Each group takes the better of two scales: its largest
+    magnitude -> 7, or its most negative value -> -8 when that is the largest magnitude. Weights that came from
+    a symmetric int4 checkpoint (either convention: |w|max / 7, or compressed-tensors' / 7.5 with clamping)
+    thereby get their stored values and scales back exactly. `version` as for `quantize_int8`."""
+    w = weight.detach().float()
+    rows, cols = w.shape
+    if cols % 2:
+        raise ValueError(f"int4 weights pack two inputs to a byte; this weight has {cols} inputs")
+    grouped = w.view(rows, -1, group or int4_group(cols))
+    tiny = torch.finfo(torch.float32).tiny
+    best = best_error = None
+    lowest = -grouped.amin(-1)
+    for scale in (grouped.abs().amax(-1) / 7, lowest / 8):
+        scale = scale.clamp(min=tiny)
+        q = torch.round(grouped / scale[..., None]).clamp_(-8, 7)
+        error = (q * scale[..., None] - grouped).square().sum(-1)
+        if best is None:
+            best, best_error = (q, scale), error
+            continue
+        better = (error < best_error) & (lowest >= grouped.amax(-1))
+        best = (torch.where(better[..., None], q, best[0]), torch.where(better, scale, best[1]))
+        best_error = torch.minimum(error, best_error)
+    q, scale = best
+    unsigned = (q.view(rows, cols) + 8).to(torch.uint8)
+    packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
+    return PackedWeight(packed.contiguous(), weight._version if version is None else version, "int4", adapter,
+                        scale.contiguous())
 
 
-def int8_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ the weight `packed` encodes (+ bias). On CPU in float32, up to INT8_KERNEL_MAX_ROWS rows
-    stream the int8 weight through `unified_cpu::int8_linear`; otherwise it is dequantized to x's dtype a chunk
-    of output features at a time, so no whole float copy is ever made."""
+def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
+    """The weight [N, K] (its `rows`) an int8 or int4 `packed` copy encodes, in `dtype`."""
+    q, scale = packed.tensor[rows], packed.scale[rows]
+    if packed.layout == "int4":
+        q = torch.stack((q & 0x0F, q >> 4), dim=-1).view(q.shape[0], -1).to(torch.int8) - 8
+    return (q.view(q.shape[0], scale.shape[1], -1).to(dtype) * scale[..., None].to(dtype)).view(q.shape[0], -1)
+
+
+def quantized_linear_reference(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None
+                               ) -> torch.Tensor:
+    return F.linear(x, dequantize(packed, x.dtype), bias)
+
+
+def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ the weight an int8 or int4 `packed` copy encodes (+ bias). On CPU in float32, up to
+    QUANTIZED_KERNEL_MAX_ROWS rows stream the quantized weight through `unified_cpu::int8_linear` /
+    `int4_linear`; otherwise it is dequantized to x's dtype a chunk of output features at a time, so no whole
+    float copy is ever made."""
     q, scale = packed.tensor, packed.scale
     rows = x.numel() // max(x.shape[-1], 1)
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= INT8_KERNEL_MAX_ROWS
-            and cpu_ops.available() and hasattr(torch.ops.unified_cpu, "int8_linear")):
-        out = torch.ops.unified_cpu.int8_linear(_rows(x, rows), q, scale, bias)
+    kernel = f"{packed.layout}_linear"
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= QUANTIZED_KERNEL_MAX_ROWS
+            and cpu_ops.available() and hasattr(torch.ops.unified_cpu, kernel)):
+        out = getattr(torch.ops.unified_cpu, kernel)(_rows(x, rows), q, scale, bias)
         return out.view(*x.shape[:-1], q.shape[0])
-    step = max(1, INT8_CHUNK_ELEMENTS // max(q.shape[1], 1))
-    parts = [F.linear(x, int8_dequantize(q[i:i + step], scale[i:i + step], x.dtype),
-                      None if bias is None else bias[i:i + step]) for i in range(0, q.shape[0], step)]
+    in_features = x.shape[-1]
+    step = max(1, DEQUANTIZED_CHUNK_ELEMENTS // max(in_features, 1))
+    parts = [F.linear(x, dequantize(packed, x.dtype, slice(i, i + step)), None if bias is None else bias[i:i + step])
+             for i in range(0, q.shape[0], step)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

@@ -64,14 +64,15 @@ class PackableLinear:
 
     packed: kernels.PackedWeight | None = None
 
-    def pack(self, int8: bool = False) -> None:
-        """`int8`: a weight-only int8 copy (kernels.quantize_int8), which the matmuls then use on any device."""
+    def pack(self, quantization: str | None = None, int4_group: int | None = None) -> None:
+        """`quantization` "int8" or "int4": a weight-only quantized copy (kernels.pack_weight), which the matmuls
+        then use on any device."""
         if self.lora is None or not self.lora.active:
-            self.packed = kernels.pack_weight(self.weight, int8=int8)
+            self.packed = kernels.pack_weight(self.weight, quantization=quantization, int4_group=int4_group)
         else:
             with torch.no_grad():
                 self.packed = kernels.pack_weight(self.weight, self.lora.delta_weight(), self._adapter_versions(),
-                                                  int8=int8)
+                                                  quantization, int4_group)
 
     def _adapter_versions(self) -> tuple[int, ...]:
         return tuple(p._version for p in self.lora.parameters())

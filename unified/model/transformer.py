@@ -117,9 +117,13 @@ class CausalLM(nn.Module):
                         if stage.last and not tied and not classifier else None)
         self.score = ScoreHead(config.hidden_size, config.num_labels, dtype) if stage.last and classifier else None
         self.tied_head_packed: kernels.PackedHead | None = None
-        # What `pack_weights` makes for inference: weight-only int8 copies of the linears (engine.quantization=int8),
-        # the LM head's too with `int8_head` (engine.quantize_lm_head)
-        self.int8_weights = self.int8_head = False
+        # What `pack_weights` makes for inference: weight-only "int8" or "int4" copies of the linears
+        # (engine.quantization), the LM head's too with `quantize_head` (engine.quantize_lm_head)
+        self.weight_quantization: str | None = None
+        self.quantize_head = False
+        # Inputs per scale of the int4 checkpoint these weights were loaded from: int4 copies keep its groups,
+        # and so its very values (kernels.quantize_int4). None: not from one.
+        self.int4_group: int | None = None
         self.checkpoint_layers = False  # training: recompute each layer's activations in backward
         self.sequence_parallel = False  # training under tensor parallel: split the sequence between linears
         self.rope = RotaryEmbedding(config.rope_parameters, config.rope_head_dim, config.max_position_embeddings,
@@ -218,9 +222,12 @@ class CausalLM(nn.Module):
         the weights outgrow is ignored, so call again after changing them to get the speed back."""
         for module in self.modules():
             if isinstance(module, PackableLinear):
-                module.pack(int8=self.int8_weights and (module is not self.lm_head or self.int8_head))
+                module.pack(self.weight_quantization if module is not self.lm_head or self.quantize_head else None,
+                            self.int4_group)
         if self.config.tie_word_embeddings and self.stage.last:
-            self.tied_head_packed = kernels.pack_head(self.embed.weight, int8=self.int8_weights and self.int8_head)
+            self.tied_head_packed = kernels.pack_head(
+                self.embed.weight, quantization=self.weight_quantization if self.quantize_head else None,
+                int4_group=self.int4_group)
 
     def unpack_weights(self) -> int:
         """Drops the packed copies `pack_weights` made; returns their bytes."""

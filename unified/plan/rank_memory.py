@@ -91,10 +91,11 @@ def _weights(config: ModelConfig, tensors: tuple[RankTensor, ...], s: Setting, s
     if s.mode == "serve" and s.weights == "auto":
         tied = next((t.shape for t in tensors if t.kind == EMBEDDING), None) \
             if config.tie_word_embeddings and stage_is_last else None
-        int8 = s.engine.quantization == "int8"
+        quantization = s.engine.quantization if s.engine.quantization in ("int8", "int4") else None
         parts["engine_copies"] = engine_copy_bytes(list(tensors), s.cpu and s.dtype == torch.float32,
                                                    s.engine.packed_weights or s.engine.quantization is not None,
-                                                   int8, s.engine.quantize_lm_head, tied, s.head_chunk, s.panel)
+                                                   quantization, s.engine.quantize_lm_head, tied, s.head_chunk,
+                                                   s.panel)
     return parts
 
 

@@ -15,7 +15,8 @@ The quantized formats leave embeddings, norms, routers, biases, the vision tower
 dequantizes them at load today, so only `auto` is what it allocates.
 
 The engine's own copies (unified/engine/llm_engine.py, unified/kernels/linear.py), under `auto` only: with
-engine.quantization=int8 an int8 copy (+ a float32 scale per row) of every tensor-parallel linear (the LM head
+engine.quantization=int8 an int8 copy (+ a float32 scale per row), with int4 a copy at half a byte per entry
+(+ a float32 scale per group of inputs, kernels.int4_group), of every tensor-parallel linear (the LM head
 with engine.quantize_lm_head), beside the full-precision weights, which stay; on CPU in float32 with
 engine.packed_weights (or quantization) a packed copy of every other tensor-parallel linear and of a tied head
 in vocabulary chunks: on AVX2 hosts in panels of 16 output features (the last panel padded with zeros),
@@ -29,11 +30,11 @@ import os
 import torch
 
 from unified.errors import UserError
+from unified.kernels.linear import INT4_GROUPS, int4_group as int4_copy_group
 from unified.plan.inventory import HEAD, PROJECTION, RankTensor
 
 WEIGHT_FORMATS = ("auto", "fp8", "int8", "int4")
 FP8_BLOCK = 128
-INT4_GROUPS = (128, 64, 32)
 PANEL = 16  # output features per panel of unified_cpu::pack_panels
 
 
@@ -91,29 +92,33 @@ def weight_bytes(tensors: list[RankTensor], dtype_bytes: int, fmt: str = "auto",
     return {"weights": values, "weight_scales": scales}
 
 
-def engine_copy_bytes(tensors: list[RankTensor], cpu_float32: bool, packed_weights: bool, int8: bool,
+def engine_copy_bytes(tensors: list[RankTensor], cpu_float32: bool, packed_weights: bool, quantization: str | None,
                       quantize_lm_head: bool, tied_head: tuple[int, int] | None = None, head_chunk: int = 0,
                       panel: int = PANEL) -> int:
-    """Bytes of the copies the engine packs beside the weights (see the module docstring). `tied_head`: this
-    rank's [rows, columns] of a tied embedding used as the head (None: none here), packed in chunks of
-    `head_chunk` rows; `panel`: the output features a float32 copy rounds up to (packed_rows_multiple)."""
-    if not (packed_weights or int8):
+    """Bytes of the copies the engine packs beside the weights (see the module docstring). `quantization`:
+    engine.quantization (None, "int8", "int4"); `tied_head`: this rank's [rows, columns] of a tied embedding used
+    as the head (None: none here), packed in chunks of `head_chunk` rows; `panel`: the output features a float32
+    copy rounds up to (packed_rows_multiple)."""
+    if not (packed_weights or quantization):
         return 0
+    head = quantization if quantize_lm_head else None
     total = 0
     for t in tensors:
         if not t.packable:
             continue
         rows, cols = t.shape
-        total += _copy_bytes(rows, cols, int8 and (t.kind != HEAD or quantize_lm_head), cpu_float32, panel)
+        total += _copy_bytes(rows, cols, quantization if t.kind != HEAD else head, cpu_float32, panel)
     if tied_head is not None:
         vocab, cols = tied_head
         chunk = head_chunk or vocab
         for start in range(0, vocab, chunk):
-            total += _copy_bytes(min(chunk, vocab - start), cols, int8 and quantize_lm_head, cpu_float32, panel)
+            total += _copy_bytes(min(chunk, vocab - start), cols, head, cpu_float32, panel)
     return total
 
 
-def _copy_bytes(rows: int, cols: int, int8: bool, cpu_float32: bool, panel: int) -> int:
-    if int8:
+def _copy_bytes(rows: int, cols: int, quantization: str | None, cpu_float32: bool, panel: int) -> int:
+    if quantization == "int8":
         return rows * cols + rows * 4
+    if quantization == "int4":
+        return rows * cols // 2 + rows * (cols // int4_copy_group(cols)) * 4
     return math.ceil(rows / panel) * panel * cols * 4 if cpu_float32 else 0
