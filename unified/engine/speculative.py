@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from unified.config.schema import EngineConfig
 from unified.engine.mtp import MTPDrafter
 from unified.engine.sampler import _choose, _draw, _filter, _log_probs, _logprob_entry
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
@@ -287,9 +288,9 @@ def _draft_engine(engine, draft_model, accelerator):
         raise UserError(f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the "
                         f"target's ({engine.config.vocab_size}); use a draft model with the same tokenizer")
     cfg = engine.cfg
-    draft_cfg = type(cfg)(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                          max_num_batched_tokens=cfg.max_num_batched_tokens, chunked_prefill=cfg.chunked_prefill,
-                          packed_weights=cfg.packed_weights, num_blocks=engine.blocks.num_blocks,
-                          max_model_len=engine.max_model_len, enforce_eager=True)
+    draft_cfg = EngineConfig(block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                             max_num_batched_tokens=cfg.max_num_batched_tokens, chunked_prefill=cfg.chunked_prefill,
+                             packed_weights=cfg.packed_weights, num_blocks=engine.blocks.num_blocks,
+                             max_model_len=engine.max_model_len, enforce_eager=True)
     return type(engine)(draft_model, None, draft_cfg, engine.device, engine.dtype, accelerator,
                         group=engine.runner.group)
