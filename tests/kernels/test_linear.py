@@ -107,6 +107,31 @@ def test_the_training_path_ignores_packed_copies_and_kernels_with_autograd_off()
     assert not torch.allclose(fast, plain)  # outside, the inference path trusts the copy
 
 
+def test_a_row_or_two_read_the_plain_weight_rather_than_onednn_s_copy(monkeypatch):
+    """On oneDNN machines one or two rows stream the plain weight (faster there); more rows, and a copy with a
+    LoRA adapter folded in (which the plain weight lacks), use the copy. A copy of another weight passed off as
+    this one's tells which was read."""
+    from unified.kernels import cpu_ops
+
+    monkeypatch.setattr(linear_module, "_panels_available", lambda: False)
+    weight = torch.randn(96, 48)
+    other = kernels.pack_weight(weight + 1.0)
+    if other is None or other.layout != "onednn" or not cpu_ops.available():
+        pytest.skip("no oneDNN copies or C++ kernels on this machine")
+    copy = dataclasses.replace(other, version=weight._version)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 8):
+            x = torch.randn(rows, 48)
+            read = weight if rows <= linear_module.SKINNY_OVER_PACKED_MAX_ROWS else weight + 1.0
+            torch.testing.assert_close(kernels.linear(x, weight, None, copy), F.linear(x, read))
+        folded = dataclasses.replace(copy, adapter=(0,))
+        torch.testing.assert_close(kernels.linear(x[:1], weight, None, folded), F.linear(x[:1], weight + 1.0))
+        head = kernels.pack_head(weight, chunk=32)
+        x = torch.randn(1, 48)
+        torch.testing.assert_close(kernels.head_logits(x, head, weight), F.linear(x, weight))
+        assert kernels.head_argmax(x, head, weight).item() == F.linear(x, weight).argmax().item()
+
+
 def test_a_head_packed_in_vocabulary_chunks_gives_the_logits_and_their_first_maximum():
     g = torch.Generator().manual_seed(3)
     weight, x = torch.randn(1000, 64, generator=g), torch.randn(5, 64, generator=g)

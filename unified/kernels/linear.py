@@ -37,6 +37,9 @@ from unified.kernels import cpu_ops, registry
 _ONEDNN = torch.backends.mkldnn.is_available()
 ONEDNN_PACK_ROWS = 64  # the row count oneDNN tunes its blocked layout for; any row count works with it
 SKINNY_MAX_ROWS = 8  # measured here: 1.2-1.37x over oneDNN for 1-8 rows over SmolLM2's weights
+# Up to this many rows skinny_linear over the plain weight also beats oneDNN's packed copy (bench/matmul.py: at one
+# row on every shape, at two on most; from four rows on the packed copy wins)
+SKINNY_OVER_PACKED_MAX_ROWS = 2
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return out.view(*x.shape[:-1], weight.shape[0])
 
     if packed is not None and packed.version == weight._version:
-        return _packed_linear(x, packed, weight.shape[0], bias)
+        return _packed_linear(x, packed, weight.shape[0], bias, weight)
     if 0 < rows <= SKINNY_MAX_ROWS and weight.is_contiguous() and cpu_ops.available():
         return on_rows(torch.ops.unified_cpu.skinny_linear(_rows(x, rows), weight, bias))
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -123,14 +126,19 @@ def _rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.reshape(rows, x.shape[-1]).contiguous()
 
 
-def _packed_linear(x: torch.Tensor, packed: PackedWeight, out_features: int,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ the packed weight [out_features, in].T (+ bias) -> [..., out_features]."""
+def _packed_linear(x: torch.Tensor, packed: PackedWeight, out_features: int, bias: torch.Tensor | None = None,
+                   weight: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ the packed weight [out_features, in].T (+ bias) -> [..., out_features]. `weight`: the plain
+    weight the copy was made from (and nothing more: no adapter folded in), which a row or two of x read
+    faster than oneDNN's packed copy."""
     if packed.quantized:
         return quantized_linear(x, packed, bias)
-    if packed.layout == "onednn":
-        return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
     rows = x.numel() // max(x.shape[-1], 1)
+    if packed.layout == "onednn":
+        if (0 < rows <= SKINNY_OVER_PACKED_MAX_ROWS and weight is not None and packed.adapter is None
+                and weight.is_contiguous() and cpu_ops.available()):
+            return torch.ops.unified_cpu.skinny_linear(_rows(x, rows), weight, bias).view(*x.shape[:-1], out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
     out = torch.ops.unified_cpu.panel_linear(_rows(x, rows), packed.tensor, out_features, bias)
     return out.view(*x.shape[:-1], out_features)
 
@@ -163,6 +171,11 @@ class PackedHead:
         return tuple(getattr(weight, "ds_shape", weight.shape)) == self.shape and version == self.version
 
 
+def _rows_of(weight: torch.Tensor | None, head: PackedHead, start: int, end: int) -> torch.Tensor | None:
+    """Rows [start, end) of a head's plain weight, where it holds them (a ZeRO-3 partition does not)."""
+    return weight[start:end] if weight is not None and tuple(weight.shape) == head.shape else None
+
+
 def head_chunk_size(rows: int = 64) -> int:
     """Vocabulary entries per chunk: `rows` rows of a chunk's float32 logits take an eighth of the last-level
     cache (read from the machine; 32 MiB where it does not say)."""
@@ -188,17 +201,19 @@ def pack_head(weight: torch.Tensor, chunk: int | None = None, quantization: str 
     return PackedHead(tuple(parts), tuple(weight.shape), weight._version) if parts else None
 
 
-def head_logits(x: torch.Tensor, head: PackedHead) -> torch.Tensor:
-    """x [..., H] -> the logits [..., V] (the caller checked `head.serves`)."""
-    return torch.cat([_packed_linear(x, packed, end - start) for start, end, packed in head.chunks], dim=-1)
+def head_logits(x: torch.Tensor, head: PackedHead, weight: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., H] -> the logits [..., V] (the caller checked `head.serves`; `weight`: the head's plain weight,
+    as `_packed_linear` takes it)."""
+    return torch.cat([_packed_linear(x, packed, end - start, None, _rows_of(weight, head, start, end))
+                      for start, end, packed in head.chunks], dim=-1)
 
 
-def head_argmax(x: torch.Tensor, head: PackedHead) -> torch.Tensor:
+def head_argmax(x: torch.Tensor, head: PackedHead, weight: torch.Tensor | None = None) -> torch.Tensor:
     """x [R, H] -> each row's first maximum over the vocabulary, int64 [R], one chunk of logits at a time (the
-    caller checked `head.serves`)."""
+    caller checked `head.serves`; `weight` as for `head_logits`)."""
     best = index = None
     for start, end, packed in head.chunks:
-        value, position = _packed_linear(x, packed, end - start).max(-1)
+        value, position = _packed_linear(x, packed, end - start, None, _rows_of(weight, head, start, end)).max(-1)
         if best is None:
             best, index = value, position
             continue

@@ -183,7 +183,7 @@ class CausalLM(nn.Module):
             if self.embed.tp_group.size() > 1:  # backward: sum the ranks' gradients of `hidden`, as ColumnLinear does
                 hidden = copy_to_tensor_model_parallel_region(hidden, group=self.embed.tp_group)
             if self.tied_head_packed is not None and self.tied_head_packed.serves(hidden, self.embed.weight):
-                return kernels.head_logits(hidden, self.tied_head_packed)
+                return kernels.head_logits(hidden, self.tied_head_packed, self.embed.weight)
             return kernels.linear(hidden, self.embed.weight)
         return self.lm_head(hidden)
 
@@ -198,7 +198,7 @@ class CausalLM(nn.Module):
         head = self.tied_head_packed
         if (head is not None and self.stage.size == 1 and self.embed.tp_group.size() == 1
                 and head.serves(hidden, self.embed.weight)):
-            return kernels.head_argmax(hidden, head)
+            return kernels.head_argmax(hidden, head, self.embed.weight)
         return kernels.argmax_rows(self.logits(hidden))  # exact in any dtype: no upcast
 
     def scores(self, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
