@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import random
 import signal
 import threading
@@ -20,8 +19,7 @@ import torch
 from megatron.core import parallel_state
 
 from unified.engine.block_manager import BlockManager
-from unified.engine.decode_graphs import DecodeGraphs, unsupported_reason
-from unified.engine.kv_cache import CacheShape, KVCache, kv_bits_of
+from unified.engine.kv_cache import KVCache
 from unified.engine.model_runner import ImagesFailed, ModelRunner
 from unified.engine.mtp import MTPForward
 from unified.engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -32,6 +30,7 @@ from unified.engine.scheduler import Scheduler
 from unified.engine.sequence import Sequence
 from unified.engine.speculative import DrafterCommand, cache_layers, speculator_for
 from unified.engine.trainer_link import COMMANDS as TRAINER_COMMANDS, TrainerLink
+from unified.engine.warm_up import cache_blocks, capture_decode_graphs, warm_up, warm_up_shapes
 from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
 from unified.errors import UserError
 from unified.kernels import QUANTIZATIONS, cpu_ops
@@ -76,7 +75,7 @@ class LLMEngine:
                                   group)
         self.is_driver = torch.distributed.get_rank() == self.runner.driver
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        num_blocks = self._cache_blocks(accelerator)
+        num_blocks = cache_blocks(self, accelerator)
         if self.runner.distributed:  # every rank must hold the blocks the driver hands out
             agreed = torch.tensor([num_blocks], device=device)  # NCCL reduces device tensors only
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN, group=group)
@@ -98,7 +97,7 @@ class LLMEngine:
         self._pack_pending = False  # the weights changed: pack them again before the next step
         self.link = TrainerLink(self)  # an external RL trainer's weight updates and sleep mode
         if not engine_cfg.enforce_eager and device.type != "cpu":
-            self._capture_decode_graphs(accelerator)
+            capture_decode_graphs(self, accelerator)
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d bytes/token)", num_blocks,
                  engine_cfg.block_size, num_blocks * engine_cfg.block_size, cache.total_bytes / 2 ** 20,
@@ -126,72 +125,14 @@ class LLMEngine:
                             "are)")
         raise UserError(f"engine.quantization={cfg.quantization!r} is unknown; use int8, int4, or null")
 
-    def _capture_decode_graphs(self, accelerator) -> None:
-        cache = self.runner.cache
-        reason = unsupported_reason(self.model, cache, self.device, accelerator, self.runner.distributed)
-        if self.runner.keeps_hidden:
-            reason = "engine.speculative.method=mtp drafts from every step's hidden states"
-        if reason:
-            log.info("decode steps run eagerly: %s", reason)
-            return
-        self.runner.graphs = DecodeGraphs(self.model, cache, self.cfg.max_num_seqs, self.max_model_len, self.device,
-                                          accelerator)
-        self.runner.graphs.capture_all()
-
-    def _cache_blocks(self, accelerator) -> int:
-        cfg = self.cfg
-        if cfg.num_blocks:
-            return cfg.num_blocks
-        per_token = CacheShape.of(self.config, self.tp_size).bytes_per_token(
-            len(self._cache_layers), self.dtype, kv_bits_of(cfg.kv_cache_dtype))
-        if cfg.kv_cache_bytes:
-            budget = cfg.kv_cache_bytes
-        else:
-            self._warm_up()
-            budget = int(accelerator.available_memory() * cfg.kv_cache_memory_fraction)
-            if self.device.type == "cpu":  # the ranks on this host share its memory (LOCAL_SIZE: see runtime)
-                budget //= int(os.environ.get("LOCAL_SIZE", "1"))
-        blocks = budget // (per_token * cfg.block_size)
-        if blocks < 1:
-            raise UserError(f"a KV-cache budget of {budget} bytes holds no {cfg.block_size}-token block "
-                            f"({per_token} bytes per token); raise engine.kv_cache_bytes or engine.kv_cache_memory_fraction")
-        return blocks
-
-    @torch.inference_mode()
-    def _warm_up(self) -> None:
-        """One forward at the step's token budget, so the memory left afterwards is what the cache may use."""
-        tokens = min(self.cfg.max_num_batched_tokens, self.cfg.max_model_len or self.config.max_position_embeddings)
-        ids = torch.zeros(1, tokens, dtype=torch.long, device=self.device)
-        self.model.logits(self.model(ids, torch.arange(tokens, device=self.device))[:, -1])
-
     def warm_up_shapes(self) -> list[tuple[int, int]]:
-        """(sequences, prompt tokens) batches covering the step shapes serving sees: long and short
-        prefills, then decode batches from one sequence to the step's limit, as far as the cache holds them."""
-        cfg, longest = self.cfg, self.max_model_len - 2
-        prefills = [(1, min(n, longest)) for n in (16, 256, cfg.max_num_batched_tokens)]
-        decodes = [(n, min(16, longest)) for n in (1, 8, cfg.max_num_seqs)]
-        fits = [(s, n) for s, n in dict.fromkeys(prefills + decodes)
-                if n > 0 and s * -(-(n + 2) // cfg.block_size) <= self.blocks.num_blocks]
-        return fits
+        """(sequences, prompt tokens) batches covering the step shapes serving sees (warm_up.py)."""
+        return warm_up_shapes(self)
 
-    @torch.inference_mode()
     def warm_up(self, progress=None) -> None:
-        """Runs every warm-up shape through the real step loop, then forgets their prefixes.
-
-        `progress(done, total)` is called after each shape."""
-        shapes = self.warm_up_shapes()
-        params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-        vocab = self.config.vocab_size
-        for done, (num_seqs, num_tokens) in enumerate(shapes, start=1):
-            ids = [self.add_request([(31 * t + 131 * s + 7 * done) % vocab for t in range(num_tokens)], params,
-                                    f"warm-up-{done}-{s}") for s in range(num_seqs)]
-            while any(i in self.requests for i in ids):
-                self.step()
-            if progress:
-                progress(done, len(shapes))
-        self.blocks.reset_prefix_cache()
-        self.runner.cache.reset_key_centres()  # centre int4 keys on real traffic, not the synthetic warm-up
-        log_against_plan("after warm-up", self.device)
+        """Runs every warm-up shape through the real step loop, then forgets their prefixes; `progress(done,
+        total)` is called after each shape (warm_up.py)."""
+        warm_up(self, progress)
 
     def stats(self) -> EngineStats:
         size, filled = self.cfg.block_size, {}

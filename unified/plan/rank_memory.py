@@ -2,7 +2,7 @@
 
 `serve_breakdowns` and `train_breakdown` combine the parts (inventory and weight formats, the engine's KV cache,
 activations, training state) into per-rank dicts of bytes; the planner compares their sums with the card.
-Serving sizes the KV cache as the engine does (unified/engine/llm_engine.py `_cache_blocks`): engine.num_blocks,
+Serving sizes the KV cache as the engine does (unified/engine/warm_up.py `cache_blocks`): engine.num_blocks,
 else engine.kv_cache_bytes, else engine.kv_cache_memory_fraction of the memory left after everything else;
 every pipeline stage keeps the smallest stage's block count (the ranks agree on it), plus one scratch block.
 The engine's cache keeps every block of a sequence, sliding window or not, so windows do not cap it.
