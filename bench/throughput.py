@@ -153,6 +153,7 @@ class Ours:
         self.loaded = load_model(path)
         self.engine = LLMEngine(self.loaded.model, None, EngineConfig(kv_cache_bytes=KV_CACHE_BYTES),
                                 torch.device("cpu"), torch.float32, None)
+        self.engine.runner.cache.wait_prefaulted()  # committing the cache's pages takes a core for seconds
 
     def run(self, requests: list[dict]) -> dict:
         from unified.engine.sampling_params import SamplingParams

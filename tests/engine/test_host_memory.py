@@ -56,3 +56,25 @@ def test_steady_state_prefill_steps_stop_faulting_in_their_activations(smollm2_c
     untuned, tuned = _prefill_faults("untuned", smollm2_checkpoint), _prefill_faults("tuned", smollm2_checkpoint)
     assert min(untuned) > 20_000, untuned  # a fixed 128 KiB threshold: the step's buffers are mapped afresh every step
     assert max(tuned) < min(untuned) / 10, (tuned, untuned)
+
+
+def test_the_kv_cache_pages_are_committed_at_the_lowest_priority(monkeypatch):
+    """The background commit of a CPU cache's pages runs at nice 19 (at normal priority it took a core from the
+    steps' parallel kernels), in its own thread only; the cache can wait for it."""
+    import threading
+
+    import torch
+
+    from unified.engine.kv_cache import KVCache
+    from unified.model.config import ModelConfig
+
+    config = ModelConfig(family="llama", vocab_size=128, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                         head_dim=16, intermediate_size=128)
+    calls = []
+    monkeypatch.setattr(os, "setpriority", lambda which, who, value: calls.append((which, who, value)))
+    cache = KVCache(config, num_blocks=64, block_size=16, dtype=torch.float32, device=torch.device("cpu"))
+    thread = cache.prefaulting
+    cache.wait_prefaulted()
+    assert cache.prefaulting is None and (thread is None or not thread.is_alive())
+    if thread is not None:
+        assert calls == [(os.PRIO_PROCESS, thread.native_id, 19)] and thread.native_id != threading.get_native_id()

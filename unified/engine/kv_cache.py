@@ -10,6 +10,7 @@ and this one removes the large per-channel offset that would otherwise take most
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,6 +90,7 @@ class KVCache:
         self.key_centred = [False] * num_layers
         self.generation = 0  # counts allocations: whatever holds the cache tensors' addresses checks it
         self.bytes_per_token = self.shape.bytes_per_token(len(layers), dtype, self.bits)
+        self.prefaulting: threading.Thread | None = None  # a CPU cache's pages being committed (allocate)
         self.allocate()
 
     def allocate(self) -> None:
@@ -106,7 +108,14 @@ class KVCache:
         self.reset_key_centres()
         self.generation += 1
         if device.type == "cpu":  # the pages are committed meanwhile, not by the first steps' writes
-            prefault_in_background([t for layer in self.values + self.scales if layer for t in layer if t is not None])
+            self.prefaulting = prefault_in_background(
+                [t for layer in self.values + self.scales if layer for t in layer if t is not None])
+
+    def wait_prefaulted(self) -> None:
+        """Returns once the background commit of a CPU cache's pages (`prefault_in_background`) is done."""
+        if self.prefaulting is not None:
+            self.prefaulting.join()
+            self.prefaulting = None
 
     def release(self) -> None:
         """Frees the cache tensors (for a training phase, say) until `allocate` makes them again."""

@@ -87,4 +87,5 @@ def warm_up(engine, progress=None) -> None:
             progress(done, len(shapes))
     engine.blocks.reset_prefix_cache()
     engine.runner.cache.reset_key_centres()  # centre int4 keys on real traffic, not the synthetic warm-up
+    engine.runner.cache.wait_prefaulted()  # no steady-state step competes with it
     log_against_plan("after warm-up", engine.device)
