@@ -25,7 +25,7 @@ import math
 import torch
 
 from unified.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint
-from unified.kernels.linear import INT4_GROUPS, quantize_int4, quantize_int8
+from unified.kernels.linear import quantize_int4, quantize_int8
 
 FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
 PACKED = "pack-quantized"
@@ -264,6 +264,7 @@ def _unpack_int32(packed: torch.Tensor, bits: int, shape: tuple[int, ...], name:
 # Writing them (`unified recipe=quantize`) -------------------------------------------------------------------
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size
+INT4_GROUPS = (128, 64, 32)  # inputs per scale an int4 checkpoint is written with: the largest dividing every width
 
 
 def quantizes(name: str, shape: tuple[int, ...], method: str, lm_head: bool) -> bool:

@@ -226,7 +226,7 @@ def head_argmax(x: torch.Tensor, head: PackedHead, weight: torch.Tensor | None =
 QUANTIZATIONS = ("int8", "int4")  # the weight-only copies `pack_weight` makes
 QUANTIZED_KERNEL_MAX_ROWS = 16  # rows unified_cpu::int8_linear / int4_linear take; more dequantize a chunk at a time
 DEQUANTIZED_CHUNK_ELEMENTS = 1 << 22  # weight entries dequantized at once otherwise (16 MiB of float32)
-INT4_GROUPS = (128, 64, 32, 16)  # inputs per int4 scale: the largest that divides the weight's input width
+INT4_COPY_GROUPS = (128, 64, 32, 16)  # inputs per int4 scale: the largest that divides the weight's input width
 
 
 def quantize_int8(weight: torch.Tensor, version: int | None = None, adapter: tuple[int, ...] | None = None,
@@ -244,9 +244,9 @@ def quantize_int8(weight: torch.Tensor, version: int | None = None, adapter: tup
 
 
 def int4_group(in_features: int) -> int:
-    """Inputs per int4 scale for a weight of `in_features` inputs: the largest of INT4_GROUPS that divides it,
+    """Inputs per int4 scale for a weight of `in_features` inputs: the largest of INT4_COPY_GROUPS that divides it,
     else the whole row (one scale per output feature)."""
-    return next((g for g in INT4_GROUPS if in_features % g == 0), in_features)
+    return next((g for g in INT4_COPY_GROUPS if in_features % g == 0), in_features)
 
 
 def quantize_int4(weight: torch.Tensor, version: int | None = None, adapter: tuple[int, ...] | None = None,

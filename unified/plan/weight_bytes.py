@@ -30,7 +30,8 @@ import os
 import torch
 
 from unified.errors import UserError
-from unified.kernels.linear import INT4_GROUPS, int4_group as int4_copy_group
+from unified.checkpoint.quantized import INT4_GROUPS
+from unified.kernels.linear import int4_group as int4_copy_group
 from unified.plan.inventory import HEAD, PROJECTION, RankTensor
 
 WEIGHT_FORMATS = ("auto", "fp8", "int8", "int4")
