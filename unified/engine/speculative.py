@@ -233,13 +233,15 @@ class DraftModel(Drafter):
             except InvalidRequest:
                 ids.append(None)
         done = {}
-        if self.engine.has_unfinished() and self.target_runner.distributed:
+        followed = self.engine.has_unfinished() and self.target_runner.distributed
+        if followed:
             self.target_runner.command(FollowDraftSteps())
         try:
             while self.engine.has_unfinished():
                 done.update((out.request_id, out.outputs[0].token_ids) for out in self.engine.step())
         finally:
-            self.engine.release_followers()
+            if followed:  # a release without the command would end the followers' loop of the target's steps
+                self.engine.release_followers()
         return [done.get(i, []) if i is not None else [] for i in ids]
 
     def follow(self, command: FollowDraftSteps) -> None:
