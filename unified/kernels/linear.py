@@ -262,20 +262,17 @@ def quantize_int4(weight: torch.Tensor, version: int | None = None, adapter: tup
     if cols % 2:
         raise ValueError(f"int4 weights pack two inputs to a byte; this weight has {cols} inputs")
     grouped = w.view(rows, -1, group or int4_group(cols))
-    tiny = torch.finfo(torch.float32).tiny
-    best = best_error = None
-    lowest = -grouped.amin(-1)
-    for scale in (grouped.abs().amax(-1) / 7, lowest / 8):
-        scale = scale.clamp(min=tiny)
+
+    def rounded(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        scale = scale.clamp(min=torch.finfo(torch.float32).tiny)
         q = torch.round(grouped / scale[..., None]).clamp_(-8, 7)
-        error = (q * scale[..., None] - grouped).square().sum(-1)
-        if best is None:
-            best, best_error = (q, scale), error
-            continue
-        better = (error < best_error) & (lowest >= grouped.amax(-1))
-        best = (torch.where(better[..., None], q, best[0]), torch.where(better, scale, best[1]))
-        best_error = torch.minimum(error, best_error)
-    q, scale = best
+        return q, scale, (q * scale[..., None] - grouped).square().sum(-1)
+
+    lowest = -grouped.amin(-1)
+    q7, scale7, error7 = rounded(grouped.abs().amax(-1) / 7)
+    q8, scale8, error8 = rounded(lowest / 8)
+    eight = (error8 < error7) & (lowest >= grouped.amax(-1))
+    q, scale = torch.where(eight[..., None], q8, q7), torch.where(eight, scale8, scale7)
     unsigned = (q.view(rows, cols) + 8).to(torch.uint8)
     packed = unsigned[:, 0::2] | (unsigned[:, 1::2] << 4)
     return PackedWeight(packed.contiguous(), weight._version if version is None else version, "int4", adapter,
