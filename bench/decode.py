@@ -131,9 +131,28 @@ def decode_rate(run, prompts: list[list[int]]) -> float:
     return len(prompts) * (NEW_TOKENS - 1) / (whole - first)
 
 
+class GrowingCache:
+    """The attention context of a one-token-at-a-time forward: each layer's keys and values kept whole, so that
+    every linear sees one row, as in batch-1 decode (the quantized kernels read a decode step's x as int16)."""
+
+    def __init__(self):
+        self.keys, self.values = {}, {}
+
+    def attend(self, layer, q, k, v, scale, sliding_window):
+        keys = self.keys[layer] = torch.cat((self.keys[layer], k), 1) if layer in self.keys else k
+        values = self.values[layer] = torch.cat((self.values[layer], v), 1) if layer in self.values else v
+        repeat = q.shape[2] // keys.shape[2]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.repeat_interleave(repeat, 2).transpose(1, 2),
+            values.repeat_interleave(repeat, 2).transpose(1, 2), scale=scale)
+        return out.transpose(1, 2)
+
+
 def quality(path: Path, tokenizer) -> dict[str, tuple[float, float, float]]:
-    """Quantized modes against fp32 on real prompts: (mean cosine, min cosine, top-1 agreement) over all positions."""
+    """Quantized modes against fp32 on real prompts, fed one token at a time as decode feeds them: (mean cosine,
+    min cosine, top-1 agreement) over all positions."""
     from unified.checkpoint import load_model
+    from unified.model.forward_context import forward_context
 
     def logits(mode: dict) -> list[torch.Tensor]:
         model = load_model(path).model
@@ -142,8 +161,10 @@ def quality(path: Path, tokenizer) -> dict[str, tuple[float, float, float]]:
         out = []
         with torch.inference_mode():
             for text in QUALITY_PROMPTS:
-                ids = torch.tensor([tokenizer(text)["input_ids"]])
-                out.append(model.logits(model(ids, torch.arange(ids.shape[1])))[0])
+                ids = tokenizer(text)["input_ids"]
+                with forward_context(GrowingCache()):
+                    out.append(torch.cat([model.logits(model(torch.tensor([[token]]), torch.tensor([position])))[0]
+                                          for position, token in enumerate(ids)]))
         return out
 
     full = torch.cat(logits({}))

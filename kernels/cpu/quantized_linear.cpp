@@ -1,6 +1,6 @@
 // Weight-only quantized linears for a few rows of x (decode): out [M, N] = x [M, K] @ w.T (+ bias [N]), the
 // weights dequantized in registers as they stream in. Reference: unified/kernels/linear.py,
-// quantized_linear_reference.
+// quantized_linear_reference over int16_rounded_input(x, input_block).
 //
 // - int8_linear: w = q [N, K] int8 * scale [N, G], one float32 scale per output feature and group of K / G
 //   inputs (G = 1: per output feature); a quarter of float32's bytes.
@@ -9,15 +9,23 @@
 //   machine the same bytes): q4 [N, K / 2] uint8, input 2c in byte c's low nibble and 2c + 1 in its high one;
 //   an eighth of float32's bytes.
 //
-// Decode is bound by reading the weights. Each task streams four weight rows once from memory; 16 values at a
-// time are converted to float32 and scaled in registers, then multiplied into a block of up to four rows of x
-// (16 accumulators), so the conversion is shared by the block and the weight rows are re-read from L1 by the
-// next block.
+// Decode is bound by reading the weights, and a core reads memory fastest in one sequential stream: each
+// thread walks its share of weight rows in order, one row at a time (four rows read side by side, the first
+// layout, got well under half the bandwidth on small matrices). Converting every weight to float32 then bounds
+// a core below its memory's speed, so with `input_block` > 0 x is rounded to int16, one scale per block of
+// that many inputs of a row (a weight group when there are several, since a block's integer sums take one
+// weight scale), and 32 weights at a time are widened to int16 and multiplied into int32 sums (vpmaddwd); each
+// block's sums are scaled into float ones at its end. Inputs past the last whole block, and every input with
+// `input_block` = 0, take the float path: 16 weights at a time converted to float32 and scaled in registers.
+// Up to four rows of x share each weight row's conversion.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
 
 #if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -25,19 +33,24 @@
 
 namespace {
 
-constexpr int64_t kWeightRows = 4, kInputRows = 4, kPrefetchRows = 8;
+constexpr int64_t kInputRows = 4, kMaxInputBlock = 4096;  // int32 sums of a 4096-input block cannot overflow
+constexpr int kLeastExponent = -100;
 
 // The two formats: the bytes of one row, the value stored for each weight (the weight is (value - kOffset) *
-// scale), as a float for the portable loop and, on AVX-512, for the 16 weights from input i on.
+// scale), as a float for the portable loop and, on AVX-512, for the 16 weights from input i on (float path)
+// and the 32 from input i on widened to int16.
 struct Int8Weights {
   using Byte = int8_t;
   static constexpr int64_t kPerByte = 1;
   static constexpr float kOffset = 0.0f;
-  static float at(const Byte* row, int64_t i) { return static_cast<float>(row[i]); }
+  static int32_t value(const Byte* row, int64_t i) { return row[i]; }
 #if defined(CPU_CAPABILITY_AVX512)
   static __m512 sixteen(const Byte* row, int64_t i) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  }
+  static __m512i thirty_two(const Byte* row, int64_t i) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i)));
   }
 #endif
 };
@@ -46,85 +59,184 @@ struct Int4Weights {
   using Byte = uint8_t;
   static constexpr int64_t kPerByte = 2;
   static constexpr float kOffset = 8.0f;
-  static float at(const Byte* row, int64_t i) {
+  static int32_t value(const Byte* row, int64_t i) {
     const uint8_t byte = row[i / 2];
-    return static_cast<float>((i % 2) ? byte >> 4 : byte & 0x0F);
+    return (i % 2) ? byte >> 4 : byte & 0x0F;
   }
 #if defined(CPU_CAPABILITY_AVX512)
+  static __m128i low_nibbles(__m128i packed) { return _mm_and_si128(packed, _mm_set1_epi8(0x0F)); }
+  static __m128i high_nibbles(__m128i packed) { return _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F)); }
   static __m512 sixteen(const Byte* row, int64_t i) {
-    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
-    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i / 2));
-    const __m128i low = _mm_and_si128(bytes, low_nibbles);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_nibbles);
-    const __m128i values = _mm_unpacklo_epi8(low, high);  // inputs i .. i + 15 in order
+    const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + i / 2));
+    const __m128i values = _mm_unpacklo_epi8(low_nibbles(packed), high_nibbles(packed));  // inputs in order
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(values));
+  }
+  static __m512i thirty_two(const Byte* row, int64_t i) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i / 2));
+    const __m128i low = low_nibbles(packed), high = high_nibbles(packed);
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(low, high), _mm_unpacklo_epi8(low, high)));
   }
 #endif
 };
 
-// out[r * ldo + j] = sum_i x[r][i] * w[j][i] for r < Rows, j < 4 (Rows a constant, so the accumulators stay in
-// registers). Grouped: a scale per `group` inputs, applied to the weights (with the offset, in one fused
-// multiply-add); else one per row, at the end.
+// x rounded to int16 over the whole blocks of each row: a block's step is the power of two 2^(e - 15) for its
+// largest magnitude under 2^e, so that scaling is exact and every implementation rounds alike (the largest
+// value clamps at 32767); a block under 2^kLeastExponent reads as zeros. Also each block's sum of values (the
+// int4 offset's share).
+struct Int16Input {
+  std::vector<int16_t> values;  // [rows, blocks * block]
+  std::vector<float> scales;    // [rows, blocks]
+  std::vector<int32_t> sums;    // [rows, blocks]
+  int64_t block, blocks;
+
+  Int16Input(const float* x, int64_t rows, int64_t k, int64_t block)
+      : values(rows * (k / block) * block), scales(rows * (k / block)), sums(rows * (k / block)), block(block),
+        blocks(k / block) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* in = x + r * k + b * block;
+        float largest = 0.0f;
+        for (int64_t i = 0; i < block; ++i) largest = std::max(largest, std::abs(in[i]));
+        int exponent = 0;
+        std::frexp(largest, &exponent);  // largest < 2^exponent
+        const bool negligible = exponent < kLeastExponent;
+        const float inverse = negligible ? 0.0f : std::ldexp(1.0f, 15 - exponent);
+        int16_t* out = values.data() + (r * blocks + b) * block;
+        int32_t sum = 0;
+        for (int64_t i = 0; i < block; ++i) {
+          out[i] = static_cast<int16_t>(std::clamp(std::nearbyint(in[i] * inverse), -32767.0f, 32767.0f));
+          sum += out[i];
+        }
+        scales[r * blocks + b] = negligible ? 0.0f : std::ldexp(1.0f, exponent - 15);
+        sums[r * blocks + b] = sum;
+      }
+  }
+};
+
+// sums[r] += x[r][i] * (value(i) - kOffset) * scale(i) over inputs [from, k), in float32 (r < Rows, a constant, so
+// the accumulators stay in registers). Grouped: a scale per `group` inputs, applied to the weights; else the
+// row's one scale is left to the caller.
 template <typename W, int Rows, bool Grouped>
-void block(const float* x, int64_t k, const typename W::Byte* const* q, const float* const* scale, int64_t group,
-           float* out, int64_t ldo) {
-  float sums[kInputRows][kWeightRows] = {};
-  int64_t i = 0;
+void float_dot(const float* x, int64_t from, int64_t k, const typename W::Byte* q, const float* scale, int64_t group,
+               float* sums) {
+  int64_t i = from;
 #if defined(CPU_CAPABILITY_AVX512)
   if (!Grouped || group % 16 == 0) {
-    __m512 acc[Rows][kWeightRows];
+    constexpr int kSplit = Rows == 1 ? 4 : Rows == 2 ? 2 : 1;  // partial sums per row of x, so adds overlap
+    __m512 acc[Rows][kSplit];
     for (auto& row : acc)
       for (auto& a : row) a = _mm512_setzero_ps();
-    __m512 scales[kWeightRows], offsets[kWeightRows];
     const __m512 offset = _mm512_set1_ps(-W::kOffset);
-    for (; i + 16 <= k; i += 16) {
-      if (Grouped && i % group == 0)
-        for (int j = 0; j < kWeightRows; ++j) {
-          scales[j] = _mm512_set1_ps(scale[j][i / group]);
-          offsets[j] = _mm512_set1_ps(-W::kOffset * scale[j][i / group]);
-        }
-      if (i % (64 * W::kPerByte) == 0)  // the next task's rows (the following kWeightRows rows): DRAM latency,
-        for (int j = 0; j < kWeightRows; ++j)  // not bandwidth, limits short rows otherwise
-          _mm_prefetch(reinterpret_cast<const char*>(q[j] + (kPrefetchRows * k + i) / W::kPerByte), _MM_HINT_T0);
-      __m512 xs[Rows];
-      for (int r = 0; r < Rows; ++r) xs[r] = _mm512_loadu_ps(x + r * k + i);
-      for (int j = 0; j < kWeightRows; ++j) {
-        __m512 w = W::sixteen(q[j], i);
-        if (Grouped)
-          w = W::kOffset != 0.0f ? _mm512_fmadd_ps(w, scales[j], offsets[j]) : _mm512_mul_ps(w, scales[j]);
-        else if (W::kOffset != 0.0f)
+    for (; i + 16 * kSplit <= k; i += 16 * kSplit)
+      for (int s = 0; s < kSplit; ++s) {
+        const int64_t at = i + 16 * s;
+        __m512 w = W::sixteen(q, at);
+        if (Grouped) {
+          const float g = scale[at / group];
+          w = W::kOffset != 0.0f ? _mm512_fmadd_ps(w, _mm512_set1_ps(g), _mm512_set1_ps(-W::kOffset * g))
+                                 : _mm512_mul_ps(w, _mm512_set1_ps(g));
+        } else if (W::kOffset != 0.0f) {
           w = _mm512_add_ps(w, offset);
-        for (int r = 0; r < Rows; ++r) acc[r][j] = _mm512_fmadd_ps(xs[r], w, acc[r][j]);
+        }
+        for (int r = 0; r < Rows; ++r) acc[r][s] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * k + at), w, acc[r][s]);
       }
+    for (int r = 0; r < Rows; ++r) {
+      __m512 total = acc[r][0];
+      for (int s = 1; s < kSplit; ++s) total = _mm512_add_ps(total, acc[r][s]);
+      sums[r] += _mm512_reduce_add_ps(total);
     }
-    for (int r = 0; r < Rows; ++r)
-      for (int j = 0; j < kWeightRows; ++j) sums[r][j] = _mm512_reduce_add_ps(acc[r][j]);
   }
 #endif
-  for (; i < k; ++i)
-    for (int j = 0; j < kWeightRows; ++j) {
-      const float value = W::at(q[j], i) - W::kOffset;
-      const float w = Grouped ? value * scale[j][i / group] : value;
-      for (int r = 0; r < Rows; ++r) sums[r][j] += x[r * k + i] * w;
+  for (; i < k; ++i) {
+    const float value = static_cast<float>(W::value(q, i)) - W::kOffset;
+    const float w = Grouped ? value * scale[i / group] : value;
+    for (int r = 0; r < Rows; ++r) sums[r] += x[r * k + i] * w;
+  }
+}
+
+// sums[r] += the whole blocks' share over int16 x (rows r0 .. r0 + Rows - 1 of `xq`), with the same scale
+// convention as float_dot: a block's integer sum times its x scale, times its weight group's scale if Grouped.
+template <typename W, int Rows, bool Grouped>
+void int16_dot(const Int16Input& xq, int64_t r0, const typename W::Byte* q, const float* scale, int64_t group,
+               float* sums) {
+  const int64_t block = xq.block, blocks = xq.blocks;
+  float offset_share[Rows] = {};
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 acc[Rows];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+#else
+  float acc[Rows] = {};
+#endif
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int16_t* xs[Rows];
+    for (int r = 0; r < Rows; ++r) xs[r] = xq.values.data() + ((r0 + r) * blocks + b) * block;
+    const float weight_scale = Grouped ? scale[b * block / group] : 1.0f;
+#if defined(CPU_CAPABILITY_AVX512)
+    __m512i dots[Rows];
+    for (auto& d : dots) d = _mm512_setzero_si512();
+    for (int64_t i = 0; i < block; i += 32) {
+      const __m512i w = W::thirty_two(q, b * block + i);
+      for (int r = 0; r < Rows; ++r)
+        dots[r] = _mm512_add_epi32(dots[r], _mm512_madd_epi16(w, _mm512_loadu_si512(xs[r] + i)));
     }
-  for (int r = 0; r < Rows; ++r)
-    for (int j = 0; j < kWeightRows; ++j) out[r * ldo + j] = Grouped ? sums[r][j] : sums[r][j] * scale[j][0];
+#else
+    int32_t dots[Rows] = {};
+    for (int64_t i = 0; i < block; ++i)
+      for (int r = 0; r < Rows; ++r) dots[r] += W::value(q, b * block + i) * xs[r][i];
+#endif
+    for (int r = 0; r < Rows; ++r) {
+      const float s = weight_scale * xq.scales[(r0 + r) * blocks + b];
+#if defined(CPU_CAPABILITY_AVX512)
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots[r]), _mm512_set1_ps(s), acc[r]);
+#else
+      acc[r] += static_cast<float>(dots[r]) * s;
+#endif
+      if (W::kOffset != 0.0f) offset_share[r] += s * static_cast<float>(xq.sums[(r0 + r) * blocks + b]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+#if defined(CPU_CAPABILITY_AVX512)
+    sums[r] += _mm512_reduce_add_ps(acc[r]) - W::kOffset * offset_share[r];
+#else
+    sums[r] += acc[r] - W::kOffset * offset_share[r];
+#endif
+  }
+}
+
+// Calls f with std::integral_constant<int, rows> for rows in 1..kInputRows.
+template <typename F>
+void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    default: f(std::integral_constant<int, 4>{});
+  }
 }
 
 template <typename W, bool Grouped>
-void rows_block(int64_t rows, const float* x, int64_t k, const typename W::Byte* const* q, const float* const* scale,
-                int64_t group, float* out) {
-  switch (rows) {
-    case 1: block<W, 1, Grouped>(x, k, q, scale, group, out, kWeightRows); break;
-    case 2: block<W, 2, Grouped>(x, k, q, scale, group, out, kWeightRows); break;
-    case 3: block<W, 3, Grouped>(x, k, q, scale, group, out, kWeightRows); break;
-    default: block<W, 4, Grouped>(x, k, q, scale, group, out, kWeightRows);
+void linear_rows(const float* x, const Int16Input* xq, int64_t rows, int64_t k, int64_t n, const typename W::Byte* q,
+                 const float* scale, int64_t groups, const float* bias, float* out, int64_t begin, int64_t end) {
+  const int64_t row_bytes = k / W::kPerByte, group = k / groups;
+  const int64_t float_from = xq ? xq->blocks * xq->block : 0;
+  for (int64_t j = begin; j < end; ++j) {
+    const auto* wq = q + j * row_bytes;
+    const float* ws = scale + j * groups;
+    for (int64_t r0 = 0; r0 < rows; r0 += kInputRows)
+      with_rows(std::min(kInputRows, rows - r0), [&](auto rows_constant) {
+        constexpr int R = decltype(rows_constant)::value;
+        float sums[R] = {};
+        if (xq) int16_dot<W, R, Grouped>(*xq, r0, wq, ws, group, sums);
+        if (float_from < k) float_dot<W, R, Grouped>(x + r0 * k, float_from, k, wq, ws, group, sums);
+        for (int r = 0; r < R; ++r)
+          out[(r0 + r) * n + j] = (Grouped ? sums[r] : sums[r] * ws[0]) + (bias ? bias[j] : 0.0f);
+      });
   }
 }
 
 template <typename W>
 at::Tensor quantized_linear(const char* name, at::ScalarType stored, const at::Tensor& x, const at::Tensor& q,
-                            const at::Tensor& scale, const std::optional<at::Tensor>& bias) {
+                            const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t input_block) {
   TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == W::kPerByte * q.size(1), name,
               ": x [M, K] and q [N, K / values per byte] expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && q.scalar_type() == stored && q.is_contiguous(),
@@ -133,7 +245,11 @@ at::Tensor quantized_linear(const char* name, at::ScalarType stored, const at::T
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == n &&
                   scale.size(1) > 0 && k % scale.size(1) == 0,
               name, ": float32 scale [N, G] with G dividing K expected");
-  const int64_t groups = scale.size(1), group = k / groups;
+  const int64_t groups = scale.size(1);
+  TORCH_CHECK(input_block == 0 || (input_block % 32 == 0 && input_block <= kMaxInputBlock && input_block <= k &&
+                                   (groups == 1 || input_block == k / groups)),
+              name, ": input_block must be 0, or a multiple of 32 up to ", kMaxInputBlock,
+              " and no larger than K, equal to the weight group when there are several; got ", input_block);
   const float* bp = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, name,
@@ -142,48 +258,33 @@ at::Tensor quantized_linear(const char* name, at::ScalarType stored, const at::T
   }
   at::Tensor out = at::empty({rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
+  const std::optional<Int16Input> xq =
+      input_block > 0 ? std::optional<Int16Input>(std::in_place, xp, rows, k, input_block) : std::nullopt;
   const auto* qp = static_cast<const typename W::Byte*>(q.data_ptr());
   const float* sp = scale.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t row_bytes = k / W::kPerByte;
-  at::parallel_for(0, (n + kWeightRows - 1) / kWeightRows, 32, [&](int64_t begin, int64_t end) {
-    float sums[kInputRows * kWeightRows];
-    const typename W::Byte* weights[kWeightRows];
-    const float* scales[kWeightRows];
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t j0 = task * kWeightRows, count = std::min(kWeightRows, n - j0);
-      for (int64_t j = 0; j < kWeightRows; ++j) {  // a tail task repeats its last row
-        weights[j] = qp + (j0 + std::min(j, count - 1)) * row_bytes;
-        scales[j] = sp + (j0 + std::min(j, count - 1)) * groups;
-      }
-      for (int64_t r0 = 0; r0 < rows; r0 += kInputRows) {
-        const int64_t block_rows = std::min(kInputRows, rows - r0);
-        if (groups > 1)
-          rows_block<W, true>(block_rows, xp + r0 * k, k, weights, scales, group, sums);
-        else
-          rows_block<W, false>(block_rows, xp + r0 * k, k, weights, scales, group, sums);
-        for (int64_t r = 0; r < block_rows; ++r)
-          for (int64_t j = 0; j < count; ++j)
-            op[(r0 + r) * n + j0 + j] = sums[r * kWeightRows + j] + (bp ? bp[j0 + j] : 0.0f);
-      }
-    }
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    if (groups > 1)
+      linear_rows<W, true>(xp, xq ? &*xq : nullptr, rows, k, n, qp, sp, groups, bp, op, begin, end);
+    else
+      linear_rows<W, false>(xp, xq ? &*xq : nullptr, rows, k, n, qp, sp, groups, bp, op, begin, end);
   });
   return out;
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                       const std::optional<at::Tensor>& bias) {
-  return quantized_linear<Int8Weights>("int8_linear", at::kChar, x, q, scale, bias);
+                       const std::optional<at::Tensor>& bias, int64_t input_block) {
+  return quantized_linear<Int8Weights>("int8_linear", at::kChar, x, q, scale, bias, input_block);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                       const std::optional<at::Tensor>& bias) {
-  return quantized_linear<Int4Weights>("int4_linear", at::kByte, x, q, scale, bias);
+                       const std::optional<at::Tensor>& bias, int64_t input_block) {
+  return quantized_linear<Int4Weights>("int4_linear", at::kByte, x, q, scale, bias, input_block);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(unified_cpu, m) {
-  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor", &int8_linear);
-  m.def("int4_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias) -> Tensor", &int4_linear);
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias, int input_block) -> Tensor", &int8_linear);
+  m.def("int4_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias, int input_block) -> Tensor", &int4_linear);
 }

@@ -44,7 +44,9 @@ def test_the_recipe_writes_int8_that_loads_as_the_engines_int8(runtime, tiny_che
     assert "quantized 21 of" in result.stdout  # 3 layers x 7 projections; the head stays
     config = json.loads((tmp_path / "int8" / "config.json").read_text())["quantization_config"]
     assert config["format"] == "int-quantized" and config["ignore"] == ["lm_head"]
-    ids = torch.randint(0, 160, (1, 12), generator=torch.Generator().manual_seed(0))
+    # more positions than the decode kernel takes (it reads x as int16): both sides read x as it is, and only
+    # the weights could differ
+    ids = torch.randint(0, 160, (1, 24), generator=torch.Generator().manual_seed(0))
     served = load_model(source)
     served.model.weight_quantization = "int8"
     served.model.pack_weights()
@@ -56,7 +58,9 @@ def test_an_int4_checkpoint_is_served_as_its_own_int4_values(runtime, tiny_check
     """engine.quantization=int4 on a compressed-tensors int4 checkpoint: the copies the kernels read hold the
     stored values and scales (as loaded they were dequantized), so the logits are the checkpoint's."""
     quantize.run(_cfg(tiny_checkpoint("llama"), tmp_path / "int4", "int4", lm_head=False))
-    ids = torch.randint(0, 160, (1, 12), generator=torch.Generator().manual_seed(0))
+    # more positions than the decode kernel takes (it reads x as int16): both sides read x as it is, and only
+    # the weights could differ
+    ids = torch.randint(0, 160, (1, 24), generator=torch.Generator().manual_seed(0))
     served = load_model(tmp_path / "int4")
     assert served.model.int4_group == json.loads((tmp_path / "int4" / "config.json").read_text())[
         "quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]

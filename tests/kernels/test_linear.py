@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from unified import kernels
+from unified.kernels import cpu_ops
 from unified.kernels.linear import takes_inference_path
 
 linear_module = importlib.import_module("unified.kernels.linear")  # the package exports the function `linear`
@@ -166,11 +167,20 @@ def test_a_packed_head_serves_only_the_weight_it_was_packed_from():
         assert head.serves(x, weight)
 
 
+def as_the_kernel_reads(x: torch.Tensor, packed, bias: torch.Tensor) -> torch.Tensor:
+    """The reference for what `quantized_linear` computes: with x rounded to int16 where the C++ stream takes it."""
+    rows = x.shape[0]
+    if rows <= linear_module.QUANTIZED_KERNEL_MAX_ROWS and cpu_ops.available():
+        x = linear_module.int16_rounded_input(x, linear_module.int16_input_block(x.shape[1], packed.scale.shape[1]))
+    return linear_module.quantized_linear_reference(x, packed, bias)
+
+
 @pytest.mark.parametrize("rows", [1, 3, 6, 16, 40])
 @pytest.mark.parametrize("in_features,group", [(256, 128), (100, None), (256, None)])
 def test_int8_weight_only_linear_matches_its_reference(rows, in_features, group):
-    """The C++ stream (up to 16 rows in blocks of 4; 13 output features leave a tail of 1) and the chunked path
-    beyond it both equal x @ (q * scale).T: one scale per output feature, or per 128 inputs of it."""
+    """The C++ stream (up to 16 rows in blocks of 4, x read as int16) equals x @ (q * scale).T with x rounded as
+    `int16_rounded_input` says, the chunked path beyond it with x as it is: one scale per output feature, or per
+    128 inputs of it (100 inputs: three int16 blocks of 32 and four float ones)."""
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(13, in_features, generator=g), torch.randn(13, generator=g)
     x = torch.randn(rows, in_features, generator=g)
@@ -178,17 +188,17 @@ def test_int8_weight_only_linear_matches_its_reference(rows, in_features, group)
     assert packed.tensor.dtype == torch.int8 and packed.scale.shape == (13, 2 if group else 1)
     error = (linear_module.dequantize(packed) - weight).abs()
     assert (error <= packed.scale.repeat_interleave(in_features // packed.scale.shape[1], 1) / 2 + 1e-6).all()
-    want = linear_module.quantized_linear_reference(x, packed, bias)
     with torch.inference_mode():
-        torch.testing.assert_close(kernels.linear(x, weight, bias, packed), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kernels.linear(x, weight, bias, packed), as_the_kernel_reads(x, packed, bias),
+                                   rtol=1e-5, atol=1e-5)
     assert torch.equal(kernels.linear(x, weight, bias, packed), F.linear(x, weight, bias))  # training: the weight
 
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 16, 40])
 @pytest.mark.parametrize("in_features,group", [(256, None), (96, None), (100, None), (64, 16)])
 def test_int4_weight_only_linear_matches_its_reference(rows, in_features, group):
-    """As for int8: the C++ stream (AVX-512 over groups of 16 or more inputs, scalar otherwise: 100 inputs have
-    no such group and take one scale per output feature) and the chunked path equal x @ dequantized.T."""
+    """As for int8: the C++ stream (x as int16 over groups of 32 inputs or more and over one scale per output
+    feature; groups of 16 keep x in float32) and the chunked path equal x @ dequantized.T."""
     g = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(13, in_features, generator=g), torch.randn(13, generator=g)
     x = torch.randn(rows, in_features, generator=g)
@@ -202,10 +212,35 @@ def test_int4_weight_only_linear_matches_its_reference(rows, in_features, group)
     plain_scale = plain.abs().amax(-1, keepdim=True) / 7
     plain_error = (torch.round(plain / plain_scale) * plain_scale - plain).square().sum(-1)
     assert (error.view(13, groups, -1).square().sum(-1) <= plain_error + 1e-6).all()
-    want = linear_module.quantized_linear_reference(x, packed, bias)
     with torch.inference_mode():
-        torch.testing.assert_close(kernels.linear(x, weight, bias, packed), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kernels.linear(x, weight, bias, packed), as_the_kernel_reads(x, packed, bias),
+                                   rtol=1e-5, atol=1e-5)
     assert torch.equal(kernels.linear(x, weight, bias, packed), F.linear(x, weight, bias))  # training: the weight
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels are not built")
+@pytest.mark.parametrize("layout", ["int8", "int4"])
+def test_the_int16_input_of_the_quantized_kernels_is_close_to_float_and_the_same_for_any_batch(layout):
+    """x read as int16, one scale per block of inputs, moves the output by far less than the weights' own
+    rounding did; a block of zeros (a padded row) stays exact; and a row's output does not depend on which other
+    rows share the call, which speculative decoding's verification forward relies on."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(40, 1536, generator=g)
+    x = torch.randn(7, 1536, generator=g) * torch.rand(1, 1536, generator=g) * 4
+    x[:, 20] = 300.0  # an outlier feature: only its own block's step grows
+    x[3] = 0.0
+    packed = (linear_module.quantize_int8 if layout == "int8" else linear_module.quantize_int4)(weight)
+    plain = F.linear(x, linear_module.dequantize(packed))
+    with torch.inference_mode():
+        got = linear_module.quantized_linear(x, packed)
+        alone = torch.cat([linear_module.quantized_linear(x[i:i + 1], packed) for i in range(7)])
+    assert torch.equal(got, alone)
+    assert torch.equal(got[3], torch.zeros(40))
+    weight_error = (F.linear(x, weight) - plain).norm()
+    assert (got - plain).norm() < weight_error / 20  # 1/37 for int8 here, ~1/150 without the outlier
+    assert linear_module.int16_input_block(1536, 1) == 256 and linear_module.int16_input_block(576, 1) == 192
+    assert linear_module.int16_input_block(100, 1) == 32 and linear_module.int16_input_block(20, 1) == 0
+    assert linear_module.int16_input_block(1536, 12) == 128 and linear_module.int16_input_block(1536, 96) == 0
 
 
 @pytest.mark.parametrize("divisor", [7.0, 7.5])

@@ -227,6 +227,7 @@ QUANTIZATIONS = ("int8", "int4")  # the weight-only copies `pack_weight` makes
 QUANTIZED_KERNEL_MAX_ROWS = 16  # rows unified_cpu::int8_linear / int4_linear take; more dequantize a chunk at a time
 DEQUANTIZED_CHUNK_ELEMENTS = 1 << 22  # weight entries dequantized at once otherwise (16 MiB of float32)
 INT4_COPY_GROUPS = (128, 64, 32, 16)  # inputs per int4 scale: the largest that divides the weight's input width
+INT16_LEAST_EXPONENT = -100  # x blocks under 2^-100 read as zeros in the CPU kernels (kLeastExponent there)
 
 
 def quantize_int8(weight: torch.Tensor, version: int | None = None, adapter: tuple[int, ...] | None = None,
@@ -292,17 +293,49 @@ def quantized_linear_reference(x: torch.Tensor, packed: PackedWeight, bias: torc
     return F.linear(x, dequantize(packed, x.dtype), bias)
 
 
+def int16_input_block(in_features: int, groups: int) -> int:
+    """Inputs per int16 scale of x in `unified_cpu::int8_linear` / `int4_linear` (0: x stays float32). A block's
+    integer sums take one weight scale, so with several weight groups the block is the group (a multiple of 32 up
+    to 4096, where int32 sums cannot overflow); with one scale per output feature, the largest multiple of 32 up
+    to 256 that divides the input width, else 32 (the inputs past the last whole block stay float32). Smaller
+    blocks cost a core more time per weight; larger ones let one outlier input coarsen more of its row."""
+    if groups > 1:
+        group = in_features // groups
+        return group if group % 32 == 0 and group <= 4096 else 0
+    if in_features < 32:
+        return 0
+    return next((b for b in range(256, 32, -32) if in_features % b == 0), 32)
+
+
+def int16_rounded_input(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [rows, in] as the CPU kernels read it with `int16_input_block` = block: each row's whole blocks of
+    inputs rounded to a power-of-two step, 2^(e - 15) for a block whose largest magnitude is under 2^e (values
+    clamped to +-32767; a block under 2^-100 reads as zeros), the rest as it was. Relative to the block's
+    largest magnitude, each input is off by at most 3.1e-5."""
+    if block == 0:
+        return x
+    whole = x.shape[-1] // block * block
+    blocks = x[..., :whole].unflatten(-1, (-1, block))
+    exponent = torch.frexp(blocks.abs().amax(-1, keepdim=True)).exponent
+    step = torch.where(exponent < INT16_LEAST_EXPONENT, 0.0, torch.ldexp(torch.ones_like(blocks[..., :1]), exponent - 15))
+    inverse = torch.where(step > 0, torch.ldexp(torch.ones_like(step), 15 - exponent), 0.0)
+    rounded = torch.round(blocks * inverse).clamp_(-32767, 32767) * step
+    return torch.cat((rounded.flatten(-2), x[..., whole:]), dim=-1)
+
+
 def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ the weight an int8 or int4 `packed` copy encodes (+ bias). On CPU in float32, up to
     QUANTIZED_KERNEL_MAX_ROWS rows stream the quantized weight through `unified_cpu::int8_linear` /
-    `int4_linear`; otherwise it is dequantized to x's dtype a chunk of output features at a time, so no whole
-    float copy is ever made."""
+    `int4_linear`, which read x rounded to int16 (`int16_rounded_input`: integer multiply-adds convert half as
+    many values as float ones, which is what keeps a core at its memory's speed); otherwise the weight is
+    dequantized to x's dtype a chunk of output features at a time, so no whole float copy is ever made."""
     q, scale = packed.tensor, packed.scale
     rows = x.numel() // max(x.shape[-1], 1)
     kernel = f"{packed.layout}_linear"
     if (x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= QUANTIZED_KERNEL_MAX_ROWS
             and cpu_ops.available() and hasattr(torch.ops.unified_cpu, kernel)):
-        out = getattr(torch.ops.unified_cpu, kernel)(_rows(x, rows), q, scale, bias)
+        block = int16_input_block(x.shape[-1], scale.shape[1])
+        out = getattr(torch.ops.unified_cpu, kernel)(_rows(x, rows), q, scale, bias, block)
         return out.view(*x.shape[:-1], q.shape[0])
     in_features = x.shape[-1]
     step = max(1, DEQUANTIZED_CHUNK_ELEMENTS // max(in_features, 1))
