@@ -1,4 +1,4 @@
-// Weight-only quantized linears for a few rows of x (decode): out [M, N] = x [M, K] @ w.T (+ bias [N]), the
+// Weight-only quantized linears for a few rows of x (decode): out [..., N] = x [..., K] @ w.T (+ bias [N]), the
 // weights dequantized in registers as they stream in. Reference: unified/kernels/linear.py,
 // quantized_linear_reference over int16_rounded_input(x, input_block).
 //
@@ -235,13 +235,14 @@ void linear_rows(const float* x, const Int16Input* xq, int64_t rows, int64_t k, 
 }
 
 template <typename W>
-at::Tensor quantized_linear(const char* name, at::ScalarType stored, const at::Tensor& x, const at::Tensor& q,
+at::Tensor quantized_linear(const char* name, at::ScalarType stored, const at::Tensor& x_in, const at::Tensor& q,
                             const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t input_block) {
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && x.size(1) == W::kPerByte * q.size(1), name,
-              ": x [M, K] and q [N, K / values per byte] expected");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && q.scalar_type() == stored && q.is_contiguous(),
-              name, ": contiguous float32 x and ", stored, " q expected");
-  const int64_t rows = x.size(0), k = x.size(1), n = q.size(0);
+  TORCH_CHECK(x_in.dim() >= 1 && q.dim() == 2 && x_in.size(-1) == W::kPerByte * q.size(1), name,
+              ": x [..., K] and q [N, K / values per byte] expected");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && q.scalar_type() == stored && q.is_contiguous(), name,
+              ": float32 x and contiguous ", stored, " q expected");
+  const at::Tensor x = x_in.contiguous();
+  const int64_t k = x.size(-1), rows = k > 0 ? x.numel() / k : 0, n = q.size(0);
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 2 && scale.size(0) == n &&
                   scale.size(1) > 0 && k % scale.size(1) == 0,
               name, ": float32 scale [N, G] with G dividing K expected");
@@ -256,7 +257,9 @@ at::Tensor quantized_linear(const char* name, at::ScalarType stored, const at::T
                 ": float32 bias [N] expected");
     bp = bias->data_ptr<float>();
   }
-  at::Tensor out = at::empty({rows, n}, x.options());
+  std::vector<int64_t> out_sizes = x.sizes().vec();
+  out_sizes.back() = n;
+  at::Tensor out = at::empty(out_sizes, x.options());
   const float* xp = x.data_ptr<float>();
   const std::optional<Int16Input> xq =
       input_block > 0 ? std::optional<Int16Input>(std::in_place, xp, rows, k, input_block) : std::nullopt;

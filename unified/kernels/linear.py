@@ -26,6 +26,7 @@ logits out.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,19 @@ class PackedWeight:
     @property
     def quantized(self) -> bool:
         return self.layout in QUANTIZATIONS
+
+    @functools.cached_property
+    def cpu_kernel(self):
+        """`unified_cpu::int8_linear` / `int4_linear` for this copy, None where not built (looked up once: the
+        lookup costs as much as a small decode matmul)."""
+        if not (self.quantized and cpu_ops.available()):
+            return None
+        return getattr(torch.ops.unified_cpu, f"{self.layout}_linear", None)
+
+    @functools.cached_property
+    def input_block(self) -> int:
+        """`int16_input_block` of this copy's shape."""
+        return int16_input_block(self.tensor.shape[1] * (2 if self.layout == "int4" else 1), self.scale.shape[1])
 
     @property
     def nbytes(self) -> int:
@@ -152,6 +166,19 @@ class PackedHead:
     chunks: tuple[tuple[int, int, PackedWeight], ...]  # (first, end) vocabulary entries and their packed rows
     shape: tuple[int, ...]  # the weight's when packed
     version: int
+
+    @functools.cached_property
+    def cpu_kernel(self):
+        """`unified_cpu::int8_linear` / `int4_linear` for this copy, None where not built (looked up once: the
+        lookup costs as much as a small decode matmul)."""
+        if not (self.quantized and cpu_ops.available()):
+            return None
+        return getattr(torch.ops.unified_cpu, f"{self.layout}_linear", None)
+
+    @functools.cached_property
+    def input_block(self) -> int:
+        """`int16_input_block` of this copy's shape."""
+        return int16_input_block(self.tensor.shape[1] * (2 if self.layout == "int4" else 1), self.scale.shape[1])
 
     @property
     def nbytes(self) -> int:
@@ -330,14 +357,11 @@ def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
     many values as float ones, which is what keeps a core at its memory's speed); otherwise the weight is
     dequantized to x's dtype a chunk of output features at a time, so no whole float copy is ever made."""
     q, scale = packed.tensor, packed.scale
-    rows = x.numel() // max(x.shape[-1], 1)
-    kernel = f"{packed.layout}_linear"
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and 0 < rows <= QUANTIZED_KERNEL_MAX_ROWS
-            and cpu_ops.available() and hasattr(torch.ops.unified_cpu, kernel)):
-        block = int16_input_block(x.shape[-1], scale.shape[1])
-        out = getattr(torch.ops.unified_cpu, kernel)(_rows(x, rows), q, scale, bias, block)
-        return out.view(*x.shape[:-1], q.shape[0])
     in_features = x.shape[-1]
+    rows = x.numel() // max(in_features, 1)
+    if (0 < rows <= QUANTIZED_KERNEL_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+            and packed.cpu_kernel is not None):
+        return packed.cpu_kernel(x, q, scale, bias, packed.input_block)  # x [..., in] -> [..., out]
     step = max(1, DEQUANTIZED_CHUNK_ELEMENTS // max(in_features, 1))
     parts = [F.linear(x, dequantize(packed, x.dtype, slice(i, i + step)), None if bias is None else bias[i:i + step])
              for i in range(0, q.shape[0], step)]
