@@ -64,9 +64,9 @@ def grounded_prompts(tokenizer, vocab: int, count: int) -> list[list[int]]:
             out.append(paragraph + [13, 13] + paragraph[:8])
         return out
     prompts = []
-    for i in range(count):
-        text = PARAGRAPHS[i % len(PARAGRAPHS)]
-        prompts.append(tokenizer(f"Repeat the following paragraph exactly.\n\n{text}\n\nRepeated paragraph:\n\n"
+    for i in range(count):  # a text of all four paragraphs, longer than NEW_TOKENS, so the copy lasts the run
+        text = "\n\n".join(PARAGRAPHS[(i + j) % len(PARAGRAPHS)] for j in range(len(PARAGRAPHS)))
+        prompts.append(tokenizer(f"Repeat the following text exactly.\n\n{text}\n\nRepeated text:\n\n"
                                  f"{text[:30 + i]}")["input_ids"])
     return prompts
 
