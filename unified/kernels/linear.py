@@ -167,19 +167,6 @@ class PackedHead:
     shape: tuple[int, ...]  # the weight's when packed
     version: int
 
-    @functools.cached_property
-    def cpu_kernel(self):
-        """`unified_cpu::int8_linear` / `int4_linear` for this copy, None where not built (looked up once: the
-        lookup costs as much as a small decode matmul)."""
-        if not (self.quantized and cpu_ops.available()):
-            return None
-        return getattr(torch.ops.unified_cpu, f"{self.layout}_linear", None)
-
-    @functools.cached_property
-    def input_block(self) -> int:
-        """`int16_input_block` of this copy's shape."""
-        return int16_input_block(self.tensor.shape[1] * (2 if self.layout == "int4" else 1), self.scale.shape[1])
-
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for _, _, p in self.chunks)
@@ -344,8 +331,9 @@ def int16_rounded_input(x: torch.Tensor, block: int) -> torch.Tensor:
     whole = x.shape[-1] // block * block
     blocks = x[..., :whole].unflatten(-1, (-1, block))
     exponent = torch.frexp(blocks.abs().amax(-1, keepdim=True)).exponent
-    step = torch.where(exponent < INT16_LEAST_EXPONENT, 0.0, torch.ldexp(torch.ones_like(blocks[..., :1]), exponent - 15))
-    inverse = torch.where(step > 0, torch.ldexp(torch.ones_like(step), 15 - exponent), 0.0)
+    one = torch.ones_like(blocks[..., :1])
+    step = torch.where(exponent < INT16_LEAST_EXPONENT, 0.0, torch.ldexp(one, exponent - 15))
+    inverse = torch.where(step > 0, torch.ldexp(one, 15 - exponent), 0.0)
     rounded = torch.round(blocks * inverse).clamp_(-32767, 32767) * step
     return torch.cat((rounded.flatten(-2), x[..., whole:]), dim=-1)
 
