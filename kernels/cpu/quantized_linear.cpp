@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -96,18 +97,25 @@ struct Int16Input {
       for (int64_t b = 0; b < blocks; ++b) {
         const float* in = x + r * k + b * block;
         float largest = 0.0f;
-        for (int64_t i = 0; i < block; ++i) largest = std::max(largest, std::abs(in[i]));
+        bool finite = true;
+        for (int64_t i = 0; i < block; ++i) {
+          largest = std::max(largest, std::abs(in[i]));
+          finite = finite && std::isfinite(in[i]);
+        }
         int exponent = 0;
         std::frexp(largest, &exponent);  // largest < 2^exponent
-        const bool negligible = exponent < kLeastExponent;
-        const float inverse = negligible ? 0.0f : std::ldexp(1.0f, 15 - exponent);
+        const bool zeros = !finite || exponent < kLeastExponent;
+        const float inverse = zeros ? 0.0f : std::ldexp(1.0f, 15 - exponent);
         int16_t* out = values.data() + (r * blocks + b) * block;
         int32_t sum = 0;
         for (int64_t i = 0; i < block; ++i) {
-          out[i] = static_cast<int16_t>(std::clamp(std::nearbyint(in[i] * inverse), -32767.0f, 32767.0f));
+          const float value = zeros ? 0.0f : std::clamp(std::nearbyint(in[i] * inverse), -32767.0f, 32767.0f);
+          out[i] = static_cast<int16_t>(value);
           sum += out[i];
         }
-        scales[r * blocks + b] = negligible ? 0.0f : std::ldexp(1.0f, exponent - 15);
+        // A NaN or infinity makes its block's scale NaN, so that it shows in the row's outputs as in float32
+        scales[r * blocks + b] = !finite ? std::numeric_limits<float>::quiet_NaN()
+                                         : zeros ? 0.0f : std::ldexp(1.0f, exponent - 15);
         sums[r * blocks + b] = sum;
       }
   }

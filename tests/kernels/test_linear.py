@@ -222,8 +222,8 @@ def test_int4_weight_only_linear_matches_its_reference(rows, in_features, group)
 @pytest.mark.parametrize("layout", ["int8", "int4"])
 def test_the_int16_input_of_the_quantized_kernels_is_close_to_float_and_the_same_for_any_batch(layout):
     """x read as int16, one scale per block of inputs, moves the output by far less than the weights' own
-    rounding did; a block of zeros (a padded row) stays exact; and a row's output does not depend on which other
-    rows share the call, which speculative decoding's verification forward relies on."""
+    rounding did; a block of zeros (a padded row) stays exact; a NaN is not rounded away; and a row's output does
+    not depend on which other rows share the call, which speculative decoding's verification forward relies on."""
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(40, 1536, generator=g)
     x = torch.randn(7, 1536, generator=g) * torch.rand(1, 1536, generator=g) * 4
@@ -236,6 +236,11 @@ def test_the_int16_input_of_the_quantized_kernels_is_close_to_float_and_the_same
         alone = torch.cat([linear_module.quantized_linear(x[i:i + 1], packed) for i in range(7)])
     assert torch.equal(got, alone)
     assert torch.equal(got[3], torch.zeros(40))
+    broken_x = x.clone()
+    broken_x[5, 700] = float("nan")  # a broken activation shows in its row, as in float32, and only there
+    with torch.inference_mode():
+        broken = linear_module.quantized_linear(broken_x, packed)
+    assert broken[5].isnan().all() and torch.equal(broken[:5], got[:5]) and torch.equal(broken[6], got[6])
     weight_error = (F.linear(x, weight) - plain).norm()
     assert (got - plain).norm() < weight_error / 20  # 1/37 for int8 here, ~1/150 without the outlier
     assert linear_module.int16_input_block(1536, 1) == 256 and linear_module.int16_input_block(576, 1) == 192
