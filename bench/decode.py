@@ -141,10 +141,9 @@ class GrowingCache:
     def attend(self, layer, q, k, v, scale, sliding_window):
         keys = self.keys[layer] = torch.cat((self.keys[layer], k), 1) if layer in self.keys else k
         values = self.values[layer] = torch.cat((self.values[layer], v), 1) if layer in self.values else v
-        repeat = q.shape[2] // keys.shape[2]
         out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.repeat_interleave(repeat, 2).transpose(1, 2),
-            values.repeat_interleave(repeat, 2).transpose(1, 2), scale=scale)
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), scale=scale,
+            enable_gqa=keys.shape[2] != q.shape[2])
         return out.transpose(1, 2)
 
 
