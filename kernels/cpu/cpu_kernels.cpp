@@ -249,8 +249,12 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const st
 }
 
 // out [M, N] = x [M, K] @ w [N, K].T (+ bias [N]) for a few rows M (batch-1 decode): a stream over the
-// weight, eight rows at a time, each read from memory once for all rows of x; threads take contiguous
-// row ranges.
+// weight, each row read from memory once for all rows of x; threads take contiguous row ranges. Up to
+// kOneStreamRows rows of x, a thread walks its weight rows one at a time: a core here reads memory fastest
+// as one sequential stream (1.1-1.5x over eight rows side by side, bench/RESULTS.md). With more rows of x,
+// eight weight rows at a time, so that each load of x serves eight multiply-adds.
+constexpr int64_t kOneStreamRows = 4;
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "skinny_linear: x [M, K] and w [N, K] expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.is_contiguous() && w.is_contiguous(),
@@ -266,6 +270,13 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const std::op
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* op = out.data_ptr<float>();
+  if (rows <= kOneStreamRows) {
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t j = begin; j < end; ++j)
+        for (int64_t i = 0; i < rows; ++i) op[i * n + j] = dot(xp + i * k, wp + j * k, k) + (bp ? bp[j] : 0.f);
+    });
+    return out;
+  }
   at::parallel_for(0, (n + 7) / 8, 16, [&](int64_t begin, int64_t end) {
     for (int64_t group = begin; group < end; ++group) {
       const int64_t j0 = group * 8;
