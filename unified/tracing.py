@@ -13,6 +13,7 @@ from typing import Generic, TypeVar
 import torch
 
 T = TypeVar("T")
+_is_compiling = torch.compiler.is_compiling  # bound once: read several times per layer of a decode step
 
 
 class TracedContextVar(Generic[T]):
@@ -21,7 +22,7 @@ class TracedContextVar(Generic[T]):
         self._mirror = default
 
     def get(self) -> T:
-        return self._mirror if torch.compiler.is_compiling() else self._var.get()
+        return self._mirror if _is_compiling() else self._var.get()
 
     def set(self, value: T) -> contextvars.Token:
         token = self._var.set(value)

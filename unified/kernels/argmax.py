@@ -17,7 +17,7 @@ def argmax_rows_reference(logits: torch.Tensor) -> torch.Tensor:
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [R, V] -> int64 [R]."""
-    if not (logits.dim() == 2 and logits.device.type == "cpu" and logits.dtype == torch.float32
+    if not (logits.dim() == 2 and logits.is_cpu and logits.dtype == torch.float32
             and logits.is_contiguous() and logits.shape[1] > 0 and registry.use_cpu(logits)
             and hasattr(torch.ops.unified_cpu, "argmax_rows")):  # AVX-512 builds only
         return argmax_rows_reference(logits)

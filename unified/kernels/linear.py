@@ -111,7 +111,7 @@ def pack_weight(weight: torch.Tensor, delta: torch.Tensor | None = None, adapter
 
 def takes_inference_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` takes the inference path above (packed copies, C++ kernels, oneDNN) for x."""
-    return (_ONEDNN and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+    return (_ONEDNN and x.is_cpu and x.dtype == weight.dtype == torch.float32
             and cpu_ops.inference_path() and registry.backend() != "reference")
 
 
@@ -347,7 +347,7 @@ def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
     q, scale = packed.tensor, packed.scale
     in_features = x.shape[-1]
     rows = x.numel() // max(in_features, 1)
-    if (0 < rows <= QUANTIZED_KERNEL_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+    if (0 < rows <= QUANTIZED_KERNEL_MAX_ROWS and x.dtype == torch.float32 and x.is_cpu
             and packed.cpu_kernel is not None):
         return packed.cpu_kernel(x, q, scale, bias, packed.input_block)  # x [..., in] -> [..., out]
     step = max(1, DEQUANTIZED_CHUNK_ELEMENTS // max(in_features, 1))

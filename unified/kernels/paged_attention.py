@@ -121,7 +121,7 @@ def plan_paged_attention(block_tables: torch.Tensor, query_start: list[int], con
 
 def _cpu_decode_kernel_applies(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None,
                                kv_bits: int | None) -> bool:
-    return (q.device.type == "cpu" and kv_bits is None and q.dtype == k_cache.dtype == torch.float32
+    return (q.is_cpu and kv_bits is None and q.dtype == k_cache.dtype == torch.float32
             and (v_cache is None or v_cache.dtype == torch.float32) and registry.cpu_allowed()
             and cpu_ops.available())
 
@@ -297,14 +297,13 @@ def write_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Ten
         else:
             kernels.quantize_rows(cache, scale_cache, x, slots, kv_bits, int4_group(x.shape[-1]), centre)
         return
-    flat = cache.view(-1, *cache.shape[2:])
     if kv_bits is None:
         if (x.dim() == 3 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and cache.is_contiguous()
                 and registry.use_cpu(cache, x) and slots.dtype == torch.int64):
             torch.ops.unified_cpu.write_kv_rows_(cache, x, slots)  # no set-up per call, x read where it lies
         else:
-            flat.index_copy_(0, slots, x.to(cache.dtype))
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
         return
     values, scale = quantize_kv(x, kv_bits, centre, zero_point=centre is not None)
-    flat.index_copy_(0, slots, values)
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, values)
     scale_cache.view(-1, *scale_cache.shape[2:]).index_copy_(0, slots, scale)

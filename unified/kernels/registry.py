@@ -67,11 +67,13 @@ def use_cpu(*tensors: torch.Tensor) -> bool:
 def use_triton(*tensors: torch.Tensor) -> bool:
     """The Triton kernel takes these tensors: all on one accelerator, or on CPU under the interpreter when
     the backend is `triton`; inference only."""
-    device = tensors[0].device.type
-    if device == "cpu":  # first and cheap: CPU decode steps ask this for every op
+    if tensors[0].is_cpu:  # first and cheap: CPU decode steps ask this for every op
         if _backend != "triton" or not interpreting():
             return False
-    elif device not in ACCELERATORS or _backend not in ("auto", "triton"):
-        return False
+        device = "cpu"
+    else:
+        device = tensors[0].device.type
+        if device not in ACCELERATORS or _backend not in ("auto", "triton"):
+            return False
     return (cpu_ops.inference_path() and triton_installed()
             and all(t.device.type == device for t in tensors[1:]))

@@ -97,7 +97,7 @@ class GQAttention(nn.Module):
         b, s, _ = qkv.shape
         heads = self.num_heads + 2 * self.num_kv_heads
         qkv = qkv.view(b, s, heads, self.head_dim)
-        qk, v = qkv[:, :, :self.num_heads + self.num_kv_heads], qkv[:, :, self.num_heads + self.num_kv_heads:]
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=2)
         norms = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
         if kernels.norm_rope_applies(qk, cos, rope.interleaved, *norms):  # CPU inference: in place, one pass
             eps = self.q_norm.eps if norms else 0.0
