@@ -12,7 +12,7 @@ seeded: the text rarely repeats, the no-match case for ngram; fp32 and ngram onl
 run of 128 new tokens minus a run of 1), medians of the rounds; the roofline is each round's read bandwidth
 over the bytes a step reads (the weights as served: int8 / int4 copies at a byte / half a byte per entry plus
 scales, the rest as loaded; KV not counted), times the batch. Quality (SmolLM2): quantized against fp32 logits
-on real prompts.
+on real text (the quality prompts and the four paragraphs, fed one token at a time).
 
 Peers: vLLM's CPU build (bench/setup_peers.sh), plain and with its n-gram speculation, and `transformers`
 generate at batch 1 (with its prompt-lookup decoding on `grounded`). Neither has an int8 path for a
@@ -147,9 +147,12 @@ class GrowingCache:
         return out.transpose(1, 2)
 
 
-def quality(path: Path, tokenizer) -> dict[str, tuple[float, float, float]]:
-    """Quantized modes against fp32 on real prompts, fed one token at a time as decode feeds them: (mean cosine,
-    min cosine, top-1 agreement) over all positions."""
+QUALITY_TEXTS = QUALITY_PROMPTS + PARAGRAPHS  # 263 positions with SmolLM2's tokenizer: 1% is under 3 of them
+
+
+def quality(path: Path, tokenizer) -> dict[str, tuple[float, float, float, int]]:
+    """Quantized modes against fp32 on real text, fed one token at a time as decode feeds it: (mean cosine,
+    min cosine, top-1 agreement, positions) over all positions of QUALITY_TEXTS."""
     from unified.checkpoint import load_model
     from unified.model.forward_context import forward_context
 
@@ -159,7 +162,7 @@ def quality(path: Path, tokenizer) -> dict[str, tuple[float, float, float]]:
         model.pack_weights()
         out = []
         with torch.inference_mode():
-            for text in QUALITY_PROMPTS:
+            for text in QUALITY_TEXTS:
                 ids = tokenizer(text)["input_ids"]
                 with forward_context(GrowingCache()):
                     out.append(torch.cat([model.logits(model(torch.tensor([[token]]), torch.tensor([position])))[0]
@@ -171,7 +174,8 @@ def quality(path: Path, tokenizer) -> dict[str, tuple[float, float, float]]:
     for name in ("int8", "int8 + head", "int4"):
         got = torch.cat(logits(MODES[name]))
         cos = torch.nn.functional.cosine_similarity(got, full, dim=-1)
-        result[name] = (cos.mean().item(), cos.min().item(), (got.argmax(-1) == full.argmax(-1)).float().mean().item())
+        result[name] = (cos.mean().item(), cos.min().item(), (got.argmax(-1) == full.argmax(-1)).float().mean().item(),
+                        len(full))
     return result
 
 
@@ -269,9 +273,9 @@ def bench_model_shape(name: str, rounds: int, skip_peers: bool) -> None:
         print(f"ngram on {workload}: {count} drafts verified, mean acceptance length "
               f"{1 + accepted / max(count, 1):.2f} tokens per verifying step")
     if tokenizer is not None:
-        for mode, (mean, low, top1) in quality(path, tokenizer).items():
-            print(f"quality, {mode} against fp32 on {len(QUALITY_PROMPTS)} real prompts: logit cosine mean "
-                  f"{mean:.5f}, min {low:.5f}; top-1 agreement {top1:.1%}")
+        for mode, (mean, low, top1, positions) in quality(path, tokenizer).items():
+            print(f"quality, {mode} against fp32 on {len(QUALITY_TEXTS)} real texts ({positions} positions): logit "
+                  f"cosine mean {mean:.5f}, min {low:.5f}; top-1 agreement {top1:.1%}")
 
 
 def main() -> None:
