@@ -251,7 +251,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const st
 // out [M, N] = x [M, K] @ w [N, K].T (+ bias [N]) for a few rows M (batch-1 decode): a stream over the
 // weight, each row read from memory once for all rows of x; threads take contiguous row ranges. Up to
 // kOneStreamRows rows of x, a thread walks its weight rows one at a time: a core here reads memory fastest
-// as one sequential stream (1.1-1.5x over eight rows side by side, bench/RESULTS.md). With more rows of x,
+// as one sequential stream, faster than eight rows side by side (bench/RESULTS.md). With more rows of x,
 // eight weight rows at a time, so that each load of x serves eight multiply-adds.
 constexpr int64_t kOneStreamRows = 4;
 

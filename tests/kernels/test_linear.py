@@ -47,11 +47,11 @@ def test_avx2_machines_pack_in_panels():
     assert kernels.pack_weight(torch.randn(96, 48)).layout == "panels"
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8])
 @pytest.mark.parametrize("out_features,in_features", [(96, 48), (101, 45)])
 def test_few_row_kernel_matches_f_linear(rows, out_features, in_features):
-    """Batch-1 decode shapes take the weight-streaming C++ kernel: whole groups of eight weight rows and
-    a remainder, inputs that are and are not whole vectors."""
+    """Batch-1 decode shapes take the weight-streaming C++ kernel: up to four rows of x one weight row at a
+    time, more in whole groups of eight weight rows and a remainder; inputs that are and are not whole vectors."""
     from unified.kernels import cpu_ops
 
     if not cpu_ops.available():

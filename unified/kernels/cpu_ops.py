@@ -71,8 +71,8 @@ def inference_path() -> bool:
 
 def applies(*tensors: torch.Tensor) -> bool:
     """Whether a C++ kernel may take these tensors: float32 on the CPU, on the inference path (the kernels
-    have no backward), and the kernels built. (Asked several times per layer of every decode step: a plain
-    loop over `is_cpu` costs a fifth of a generator over `device.type`.)"""
+    have no backward), and the kernels built. (Asked several times per layer of every decode step, hence
+    `is_cpu` in a plain loop rather than a generator over `device.type`, which builds a device object.)"""
     for t in tensors:
         if not (t.is_cpu and t.dtype is torch.float32):
             return False
