@@ -147,7 +147,7 @@ class GrowingCache:
         return out.transpose(1, 2)
 
 
-QUALITY_TEXTS = QUALITY_PROMPTS + PARAGRAPHS  # 263 positions with SmolLM2's tokenizer: 1% is under 3 of them
+QUALITY_TEXTS = QUALITY_PROMPTS + PARAGRAPHS  # enough positions that 1% is more than one of them
 
 
 def quality(path: Path, tokenizer) -> dict[str, tuple[float, float, float, int]]:
