@@ -154,11 +154,13 @@ def quality(path: Path, tokenizer) -> dict[str, tuple[float, float, float, int]]
     """Quantized modes against fp32 on real text, fed one token at a time as decode feeds it: (mean cosine,
     min cosine, top-1 agreement, positions) over all positions of QUALITY_TEXTS."""
     from unified.checkpoint import load_model
+    from unified.model.calibration import BUILTIN, calibrate_for_serving
     from unified.model.forward_context import forward_context
 
     def logits(mode: dict) -> list[torch.Tensor]:
         model = load_model(path).model
         model.weight_quantization, model.quantize_head = mode.get("quantization"), mode.get("quantize_lm_head", False)
+        calibrate_for_serving(model, tokenizer, BUILTIN)  # as the engine does by default
         model.pack_weights()
         out = []
         with torch.inference_mode():

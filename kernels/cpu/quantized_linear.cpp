@@ -18,6 +18,9 @@
 // block's sums are scaled into float ones at its end. Inputs past the last whole block, and every input with
 // `input_block` = 0, take the float path: 16 weights at a time converted to float32 and scaled in registers.
 // Up to four rows of x share each weight row's conversion.
+//
+// `input_scale` [K] (optional): x is multiplied by it, input by input, before anything else. An activation-aware
+// copy (unified/model/calibration.py) quantizes w * s column by column and takes input_scale = 1 / s.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -244,7 +247,8 @@ void linear_rows(const float* x, const Int16Input* xq, int64_t rows, int64_t k, 
 
 template <typename W>
 at::Tensor quantized_linear(const char* name, at::ScalarType stored, const at::Tensor& x_in, const at::Tensor& q,
-                            const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t input_block) {
+                            const at::Tensor& scale, const std::optional<at::Tensor>& bias, int64_t input_block,
+                            const std::optional<at::Tensor>& input_scale) {
   TORCH_CHECK(x_in.dim() >= 1 && q.dim() == 2 && x_in.size(-1) == W::kPerByte * q.size(1), name,
               ": x [..., K] and q [N, K / values per byte] expected");
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && q.scalar_type() == stored && q.is_contiguous(), name,
@@ -269,6 +273,16 @@ at::Tensor quantized_linear(const char* name, at::ScalarType stored, const at::T
   out_sizes.back() = n;
   at::Tensor out = at::empty(out_sizes, x.options());
   const float* xp = x.data_ptr<float>();
+  std::vector<float> scaled_x;
+  if (input_scale.has_value()) {
+    TORCH_CHECK(input_scale->scalar_type() == at::kFloat && input_scale->is_contiguous() && input_scale->numel() == k,
+                name, ": float32 input_scale [K] expected");
+    const float* m = input_scale->data_ptr<float>();
+    scaled_x.resize(rows * k);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < k; ++i) scaled_x[r * k + i] = xp[r * k + i] * m[i];
+    xp = scaled_x.data();
+  }
   const std::optional<Int16Input> xq =
       input_block > 0 ? std::optional<Int16Input>(std::in_place, xp, rows, k, input_block) : std::nullopt;
   const auto* qp = static_cast<const typename W::Byte*>(q.data_ptr());
@@ -284,18 +298,24 @@ at::Tensor quantized_linear(const char* name, at::ScalarType stored, const at::T
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                       const std::optional<at::Tensor>& bias, int64_t input_block) {
-  return quantized_linear<Int8Weights>("int8_linear", at::kChar, x, q, scale, bias, input_block);
+                       const std::optional<at::Tensor>& bias, int64_t input_block,
+                       const std::optional<at::Tensor>& input_scale) {
+  return quantized_linear<Int8Weights>("int8_linear", at::kChar, x, q, scale, bias, input_block, input_scale);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                       const std::optional<at::Tensor>& bias, int64_t input_block) {
-  return quantized_linear<Int4Weights>("int4_linear", at::kByte, x, q, scale, bias, input_block);
+                       const std::optional<at::Tensor>& bias, int64_t input_block,
+                       const std::optional<at::Tensor>& input_scale) {
+  return quantized_linear<Int4Weights>("int4_linear", at::kByte, x, q, scale, bias, input_block, input_scale);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(unified_cpu, m) {
-  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias, int input_block) -> Tensor", &int8_linear);
-  m.def("int4_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias, int input_block) -> Tensor", &int4_linear);
+  m.def("int8_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias, int input_block, Tensor? input_scale=None) -> "
+        "Tensor",
+        &int8_linear);
+  m.def("int4_linear(Tensor x, Tensor q, Tensor scale, Tensor? bias, int input_block, Tensor? input_scale=None) -> "
+        "Tensor",
+        &int4_linear);
 }

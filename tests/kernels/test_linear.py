@@ -266,3 +266,26 @@ def test_int4_copies_of_a_symmetric_int4_checkpoint_are_its_own_values(divisor):
     assert torch.equal(linear_module.dequantize(packed), weight)
     assert torch.equal(_unpack_int32(packed.tensor.view(torch.int32), 4, (8, 256), "w"), q.to(torch.int8))
     assert torch.equal(packed.tensor.view(torch.int32), pack_int32(q.to(torch.int8), 4))
+
+
+@pytest.mark.parametrize("layout", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_a_smoothed_copy_computes_the_weight_it_encodes(layout, rows):
+    """An activation-aware copy quantizes weight * s and multiplies x by 1 / s (its input_scale) before it: the
+    C++ stream (x / s read as int16) and the chunked path compute x @ the weight it encodes. (Whether that is
+    closer to the weight than the plain copy depends on s: tests/model/test_calibration.py.)"""
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(24, 256, generator=g), torch.randn(24, generator=g)
+    x = torch.randn(rows, 256, generator=g)
+    smoothing = torch.rand(256, generator=g) * 4 + 0.25
+    packed = kernels.quantize(weight, layout, smoothing=smoothing)
+    torch.testing.assert_close(packed.input_scale, smoothing.reciprocal())
+    encoded = linear_module.dequantize(packed)
+    torch.testing.assert_close(linear_module.dequantize(packed, smoothed=True) * packed.input_scale, encoded)
+    with torch.inference_mode():
+        got = kernels.linear(x, weight, bias, packed)
+    read = x * packed.input_scale
+    if rows <= linear_module.QUANTIZED_KERNEL_MAX_ROWS and cpu_ops.available():
+        read = linear_module.int16_rounded_input(read, packed.input_block)
+    torch.testing.assert_close(got, F.linear(read, linear_module.dequantize(packed, smoothed=True), bias),
+                               rtol=1e-5, atol=1e-4)

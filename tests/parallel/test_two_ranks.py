@@ -245,3 +245,21 @@ def test_an_external_trainer_updates_a_tensor_parallel_rollout_server(smollm2_ch
         assert len(steps) == 2 and all(s["max_gap"] <= 1e-5 for s in steps), steps
     finally:
         stop_server(server)
+
+
+def test_activation_aware_int8_runs_under_tensor_parallel(tiny_chat_checkpoint, tmp_path):
+    """engine.quantization=int8 on two tensor-parallel ranks: both calibrate on the built-in text (a forward with
+    collectives inside it), agree on which linears to smooth (they choose alpha by their summed error), and
+    serve. (On random weights int8 may change a greedy token, so the answers are not compared with fp32 here;
+    tests/engine/test_quantized_weights.py does that on SmolLM2.)"""
+    prompts = tmp_path / "prompts.jsonl"
+    texts = ["The capital of France is Paris. The capital of Germany is", "def add(a, b):\n    return"]
+    prompts.write_text("".join(json.dumps({"id": f"r{i}", "prompt": text, "max_tokens": 6, "temperature": 0,
+                                           "logprobs": 1, "ignore_eos": True}) + "\n" for i, text in enumerate(texts)))
+    result = launch("deepspeed", "recipe=batch", f"model={tiny_chat_checkpoint}", f"input={prompts}",
+                    f"output={tmp_path / 'int8.jsonl'}", "engine.num_blocks=64", "engine.block_size=4",
+                    "parallel=tp2", "engine.quantization=int8")
+    smoothed = re.findall(r"activation-aware int8: (\d+) of (\d+) linears smoothed", result.stdout + result.stderr)
+    assert len(smoothed) == 2 and smoothed[0] == smoothed[1] and int(smoothed[0][0]) > 0, result.stderr[-3000:]
+    answers = _batch_logprobs(tmp_path / "int8.jsonl")
+    assert sorted(answers) == ["r0", "r1"] and all(len(entries) == 6 for entries in answers.values())

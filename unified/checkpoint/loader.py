@@ -22,7 +22,7 @@ from unified.checkpoint.hf_vision_names import in_checkpoint_layout
 from unified.checkpoint.manifest import is_presharded
 from unified.checkpoint.prefetch import prefetched
 from unified.checkpoint.presharded_loader import RankFile, fill_from_rank_file, open_rank_file
-from unified.checkpoint.quantized import dequantizing, stored_int4_group
+from unified.checkpoint.quantized import dequantizing, quantization_config, stored_int4_group
 from unified.checkpoint.safetensors_io import CheckpointError, SafetensorsCheckpoint, save_safetensors
 from unified.model.config import ModelConfig
 from unified.model.multimodal import VisionLanguageModel
@@ -190,6 +190,8 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
     unfilled = [n for n in dict(model.named_parameters()) if n not in filled]
     assert not unfilled, f"parameters not covered by the HF name map: {unfilled}"
     model.int4_group = stored_int4_group(hf)
+    stored = source.quantization if isinstance(source, RankFile) else quantization_config(hf)
+    model.quantized_source = stored is not None
     model.eval()
     return LoadedModel(model, config, hf, path)
 

@@ -58,6 +58,7 @@ class RankFile:
     def __init__(self, directory: Path, entry: dict, verify: bool, quantization: dict | None = None):
         self.directory, self.path = Path(directory), Path(directory) / entry["file"]
         self.tensors, self.params, self.verify = entry["tensors"], entry["params"], verify
+        self.quantization = quantization  # the manifest's quantization_config of the stored tensors, if any
         try:
             size = self.path.stat().st_size
         except FileNotFoundError:

@@ -71,6 +71,10 @@ class EngineConfig:
     # the loaded weights; embeddings, norms, routers and the routed experts stay as loaded
     quantization: Optional[str] = None
     quantize_lm_head: bool = False  # with quantization: the LM head too (kept in full precision by default)
+    # With quantization: activation-aware copies (AWQ's per-input scale search; unified/model/calibration.py),
+    # calibrated at start on a text: "builtin" (a few hundred tokens that ship with us), a text file of your own
+    # domain, or None for plain copies
+    quantization_calibration: Optional[str] = "builtin"
     # A pre-sharded model= folder (recipe=convert): check each tensor against the manifest's sha256 as it is read
     verify_checksums: bool = True
 

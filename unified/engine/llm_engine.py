@@ -34,6 +34,7 @@ from unified.engine.warm_up import cache_blocks, capture_decode_graphs, warm_up,
 from unified.engine.weight_update import UpdateWeights, WeightMismatch, copy_weights, stage_weights
 from unified.errors import UserError
 from unified.kernels import QUANTIZATIONS, cpu_ops
+from unified.model.calibration import calibrate_for_serving
 from unified.runtime.host_memory import retain_freed_host_memory
 from unified.runtime.memory_report import log_against_plan
 
@@ -69,6 +70,7 @@ class LLMEngine:
             cpu_ops.cache_host_allocations()  # those above glibc's 32 MiB heap limit too (builds the kernels now)
         model.weight_quantization = self.served_quantization(engine_cfg)
         model.quantize_head = engine_cfg.quantize_lm_head
+        calibrate_for_serving(model, tokenizer, engine_cfg.quantization_calibration)
         if self.packs_weights:
             model.pack_weights()
         self.runner = ModelRunner(model, device, engine_cfg.image_cache_bytes, accelerator, engine_cfg.image_prefetch,

@@ -17,16 +17,20 @@ from unified.checkpoint import load_model
 from unified.checkpoint.builtin import resolve_model
 from unified.engine.llm_engine import LLMEngine
 from unified.jobs.parity import compare, reference_model
+from unified.model.calibration import calibrate_for_serving
 from unified.runtime import current_layout, start_runtime
 
 
-def _input_ids(path, prompt: str | None, num_tokens: int, vocab_size: int) -> torch.Tensor:
+def _tokenizer(path):
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError):
-        tokenizer = None
+        return None
+
+
+def _input_ids(tokenizer, prompt: str | None, num_tokens: int, vocab_size: int) -> torch.Tensor:
     ids = tokenizer(prompt)["input_ids"] if tokenizer is not None and prompt else []
     if ids:
         return torch.tensor([ids], dtype=torch.long)
@@ -38,11 +42,13 @@ def run(cfg) -> None:
     path = resolve_model(cfg.model)
     ours = load_model(path, runtime.device, runtime.dtype)
     quantized = LLMEngine.served_quantization(cfg.engine)
+    tokenizer = _tokenizer(path)
     if quantized:
         ours.model.weight_quantization, ours.model.quantize_head = quantized, cfg.engine.quantize_lm_head
+        calibrate_for_serving(ours.model, tokenizer, cfg.engine.quantization_calibration)
         ours.model.pack_weights()
     reference = reference_model(path, runtime.dtype).to(runtime.device)
-    ids = _input_ids(path, cfg.prompt, cfg.check.num_tokens, ours.config.vocab_size).to(runtime.device)
+    ids = _input_ids(tokenizer, cfg.prompt, cfg.check.num_tokens, ours.config.vocab_size).to(runtime.device)
     if ours.config.vision is not None:  # random text must not hold image or video placeholders
         for placeholder in (ours.config.image_token_id, getattr(ours.hf_config, "video_token_id", None)):
             ids = ids.masked_fill(ids == placeholder, 0)

@@ -9,8 +9,8 @@ from unified.kernels.activation import gated_activation, gated_activation_refere
 from unified.kernels.argmax import argmax_rows, argmax_rows_reference
 from unified.kernels.cpu_ops import training_path
 from unified.kernels.kv_quant import dequantize_kv, packed_dim, quantize_kv, scale_layout
-from unified.kernels.linear import (QUANTIZATIONS, PackedHead, PackedWeight, head_argmax, head_logits, linear,
-                                     pack_head, pack_weight, takes_inference_path)
+from unified.kernels.linear import (QUANTIZATIONS, PackedHead, PackedWeight, dequantize, head_argmax, head_logits,
+                                     linear, pack_head, pack_weight, quantize, takes_inference_path)
 from unified.kernels.moe import experts as moe_experts, route_topk
 from unified.kernels.paged_attention import (AttentionPlan, paged_attention, paged_decode, plan_paged_attention,
                                              write_kv)
@@ -19,9 +19,11 @@ from unified.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
 from unified.kernels.rotary import apply_rotary, norm_rope_, norm_rope_applies
 from unified.kernels import ops  # noqa: E402,F401 (registers torch.ops.unified.*)
 
-__all__ = ["add_rms_norm", "apply_rotary", "argmax_rows", "argmax_rows_reference", "AttentionPlan", "dequantize_kv",
+__all__ = ["add_rms_norm", "apply_rotary", "argmax_rows", "argmax_rows_reference", "AttentionPlan", "dequantize",
+           "dequantize_kv",
            "gated_activation", "gated_activation_reference", "head_argmax", "head_logits", "linear", "moe_experts",
            "norm_rope_", "norm_rope_applies", "pack_head", "pack_weight", "packed_dim", "PackedHead", "PackedWeight",
-           "paged_attention", "QUANTIZATIONS", "paged_decode", "plan_paged_attention", "quantize_kv", "rms_norm",
+           "paged_attention", "QUANTIZATIONS", "paged_decode", "plan_paged_attention", "quantize",
+           "quantize_kv", "rms_norm",
            "rms_norm_reference", "route_topk", "scale_layout", "set_backend", "takes_inference_path",
            "training_path", "write_kv"]

@@ -26,6 +26,7 @@ logits out.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,9 @@ class PackedWeight:
     # The version counters of the adapter folded into the copy (weight + its LoRA delta), None: the weight alone
     adapter: tuple[int, ...] | None = None
     scale: torch.Tensor | None = None  # "int8", "int4": float32 [out, groups]; see quantize_int8, quantize_int4
+    # "int8", "int4" made with `smoothing` s (activation-aware): the copy holds weight * s, column by column, and
+    # x is multiplied by this, 1 / s, before it (float32 [in]); None: the weight as it is
+    input_scale: torch.Tensor | None = None
 
     @property
     def quantized(self) -> bool:
@@ -72,7 +76,7 @@ class PackedWeight:
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.scale is None else self.scale.numel() * self.scale.element_size()
+        extra = sum(t.numel() * t.element_size() for t in (self.scale, self.input_scale) if t is not None)
         return self.tensor.numel() * self.tensor.element_size() + extra
 
 
@@ -81,22 +85,18 @@ def _panels_available() -> bool:
 
 
 def pack_weight(weight: torch.Tensor, delta: torch.Tensor | None = None, adapter: tuple[int, ...] | None = None,
-                quantization: str | None = None, int4_group: int | None = None) -> PackedWeight | None:
+                quantization: str | None = None, int4_group: int | None = None,
+                smoothing: torch.Tensor | None = None) -> PackedWeight | None:
     """A packed copy of a CPU float32 weight [out, in] (plus `delta`, an adapter's update of it, whose
     parameters' version counters are `adapter`); None where `linear` would not use one. `quantization` "int8"
-    or "int4": a weight-only quantized copy instead (`quantize_int8`, `quantize_int4`, the latter with
-    `int4_group` inputs per scale where that divides the weight's inputs), on any device."""
+    or "int4": a weight-only quantized copy instead (`quantize`), on any device, activation-aware with
+    `smoothing`."""
     if weight.is_inference():
         return None  # inference-mode tensors keep no version counter to tell a stale copy by
     if quantization is not None:
-        if quantization not in QUANTIZATIONS:
-            raise ValueError(f"weight-only quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
         with torch.no_grad():
             source = weight if delta is None else weight + delta.to(weight.dtype)
-            if quantization == "int8":
-                return quantize_int8(source, weight._version, adapter)
-            group = int4_group if int4_group and source.shape[1] % int4_group == 0 else None
-            return quantize_int4(source, weight._version, adapter, group)
+            return quantize(source, quantization, int4_group, smoothing, weight._version, adapter)
     if not (weight.device.type == "cpu" and weight.dtype == torch.float32):
         return None
     with torch.no_grad():
@@ -203,12 +203,14 @@ def head_chunk_size(rows: int = 64) -> int:
 
 
 def pack_head(weight: torch.Tensor, chunk: int | None = None, quantization: str | None = None,
-              int4_group: int | None = None) -> PackedHead | None:
+              int4_group: int | None = None, smoothing: torch.Tensor | None = None) -> PackedHead | None:
     """`weight` [V, H] packed in chunks of `chunk` (default `head_chunk_size()`) vocabulary entries (weight-only
-    int8 or int4 with `quantization`, as `pack_weight`); None where `pack_weight` packs nothing."""
+    int8 or int4 with `quantization`, and `smoothing`, as `pack_weight`); None where `pack_weight` packs
+    nothing."""
     chunk, parts = chunk or head_chunk_size(), []
     for start in range(0, weight.shape[0], chunk):
-        packed = pack_weight(weight[start:start + chunk], quantization=quantization, int4_group=int4_group)
+        packed = pack_weight(weight[start:start + chunk], quantization=quantization, int4_group=int4_group,
+                             smoothing=smoothing)
         if packed is None:
             return None
         parts.append((start, min(start + chunk, weight.shape[0]), packed))
@@ -242,6 +244,30 @@ QUANTIZED_KERNEL_MAX_ROWS = 16  # rows unified_cpu::int8_linear / int4_linear ta
 DEQUANTIZED_CHUNK_ELEMENTS = 1 << 22  # weight entries dequantized at once otherwise (16 MiB of float32)
 INT4_COPY_GROUPS = (128, 64, 32, 16)  # inputs per int4 scale: the largest that divides the weight's input width
 INT16_LEAST_EXPONENT = -100  # x blocks under 2^-100 read as zeros in the CPU kernels (kLeastExponent there)
+
+
+def quantize(weight: torch.Tensor, quantization: str, int4_group: int | None = None,
+             smoothing: torch.Tensor | None = None, version: int | None = None,
+             adapter: tuple[int, ...] | None = None) -> PackedWeight:
+    """A weight-only "int8" or "int4" copy of `weight` [out, in] (`quantize_int8`; `quantize_int4` with `int4_group`
+    inputs per scale where that divides the weight's inputs). `smoothing` s [in] (positive; activation-aware
+    quantization, unified/model/calibration.py): the copy quantizes weight * s column by column and divides x
+    by s before it, which is exact before rounding and moves rounding error off the inputs that carry large
+    activations. `version` as for `quantize_int8`."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"weight-only quantization {quantization!r}: use one of {', '.join(QUANTIZATIONS)}")
+    version = weight._version if version is None else version
+    w = weight.detach()
+    if smoothing is not None:
+        smoothing = smoothing.detach().float().to(w.device)
+        w = w.float() * smoothing
+    if quantization == "int8":
+        packed = quantize_int8(w, version, adapter)
+    else:
+        packed = quantize_int4(w, version, adapter, int4_group if int4_group and w.shape[1] % int4_group == 0 else None)
+    if smoothing is None:
+        return packed
+    return dataclasses.replace(packed, input_scale=smoothing.reciprocal().contiguous())
 
 
 def quantize_int8(weight: torch.Tensor, version: int | None = None, adapter: tuple[int, ...] | None = None,
@@ -294,12 +320,15 @@ def quantize_int4(weight: torch.Tensor, version: int | None = None, adapter: tup
                         scale.contiguous())
 
 
-def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32, rows: slice = slice(None)) -> torch.Tensor:
-    """The weight [N, K] (its `rows`) an int8 or int4 `packed` copy encodes, in `dtype`."""
+def dequantize(packed: PackedWeight, dtype: torch.dtype = torch.float32, rows: slice = slice(None),
+               smoothed: bool = False) -> torch.Tensor:
+    """The weight [N, K] (its `rows`) an int8 or int4 `packed` copy encodes, in `dtype`; with `smoothed`, as
+    stored, before its `input_scale` (which x then takes)."""
     q, scale = packed.tensor[rows], packed.scale[rows]
     if packed.layout == "int4":
         q = torch.stack((q & 0x0F, q >> 4), dim=-1).view(q.shape[0], -1).to(torch.int8) - 8
-    return (q.view(q.shape[0], scale.shape[1], -1).to(dtype) * scale[..., None].to(dtype)).view(q.shape[0], -1)
+    weight = (q.view(q.shape[0], scale.shape[1], -1).to(dtype) * scale[..., None].to(dtype)).view(q.shape[0], -1)
+    return weight if smoothed or packed.input_scale is None else weight * packed.input_scale.to(dtype)
 
 
 def quantized_linear_reference(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None
@@ -349,8 +378,11 @@ def quantized_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor |
     rows = x.numel() // max(in_features, 1)
     if (0 < rows <= QUANTIZED_KERNEL_MAX_ROWS and x.dtype == torch.float32 and x.is_cpu
             and packed.cpu_kernel is not None):
-        return packed.cpu_kernel(x, q, scale, bias, packed.input_block)  # x [..., in] -> [..., out]
+        return packed.cpu_kernel(x, q, scale, bias, packed.input_block, packed.input_scale)  # [..., in] -> [..., out]
+    if packed.input_scale is not None:
+        x = x * packed.input_scale.to(x.dtype)
     step = max(1, DEQUANTIZED_CHUNK_ELEMENTS // max(in_features, 1))
-    parts = [F.linear(x, dequantize(packed, x.dtype, slice(i, i + step)), None if bias is None else bias[i:i + step])
+    parts = [F.linear(x, dequantize(packed, x.dtype, slice(i, i + step), smoothed=True),
+                      None if bias is None else bias[i:i + step])
              for i in range(0, q.shape[0], step)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)

@@ -63,16 +63,21 @@ class PackableLinear:
     while neither has changed since and the adapter is on."""
 
     packed: kernels.PackedWeight | None = None
+    # Per-input factors that make a quantized copy activation-aware (unified/model/calibration.py; kept across
+    # packs, so that copies of updated weights use them too); None: plain
+    input_smoothing: torch.Tensor | None = None
 
     def pack(self, quantization: str | None = None, int4_group: int | None = None) -> None:
         """`quantization` "int8" or "int4": a weight-only quantized copy (kernels.pack_weight), which the matmuls
-        then use on any device."""
+        then use on any device; activation-aware where `input_smoothing` is set."""
+        smoothing = self.input_smoothing if quantization is not None else None
         if self.lora is None or not self.lora.active:
-            self.packed = kernels.pack_weight(self.weight, quantization=quantization, int4_group=int4_group)
+            self.packed = kernels.pack_weight(self.weight, quantization=quantization, int4_group=int4_group,
+                                              smoothing=smoothing)
         else:
             with torch.no_grad():
                 self.packed = kernels.pack_weight(self.weight, self.lora.delta_weight(), self._adapter_versions(),
-                                                  quantization, int4_group)
+                                                  quantization, int4_group, smoothing)
 
     def _adapter_versions(self) -> tuple[int, ...]:
         return tuple(p._version for p in self.lora.parameters())

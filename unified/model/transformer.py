@@ -121,9 +121,13 @@ class CausalLM(nn.Module):
         # (engine.quantization), the LM head's too with `quantize_head` (engine.quantize_lm_head)
         self.weight_quantization: str | None = None
         self.quantize_head = False
+        self.head_smoothing: torch.Tensor | None = None  # a tied head's PackableLinear.input_smoothing
         # Inputs per scale of the int4 checkpoint these weights were loaded from: int4 copies keep its groups,
         # and so its very values (kernels.quantize_int4). None: not from one.
         self.int4_group: int | None = None
+        # The weights were loaded from a quantized checkpoint (dequantized): copies of them are plain, since
+        # activation-aware factors would round them a second time (unified/model/calibration.py)
+        self.quantized_source = False
         self.checkpoint_layers = False  # training: recompute each layer's activations in backward
         self.sequence_parallel = False  # training under tensor parallel: split the sequence between linears
         self.rope = RotaryEmbedding(config.rope_parameters, config.rope_head_dim, config.max_position_embeddings,
@@ -225,9 +229,10 @@ class CausalLM(nn.Module):
                 module.pack(self.weight_quantization if module is not self.lm_head or self.quantize_head else None,
                             self.int4_group)
         if self.config.tie_word_embeddings and self.stage.last:
-            self.tied_head_packed = kernels.pack_head(
-                self.embed.weight, quantization=self.weight_quantization if self.quantize_head else None,
-                int4_group=self.int4_group)
+            quantization = self.weight_quantization if self.quantize_head else None
+            self.tied_head_packed = kernels.pack_head(self.embed.weight, quantization=quantization,
+                                                      int4_group=self.int4_group,
+                                                      smoothing=self.head_smoothing if quantization else None)
 
     def unpack_weights(self) -> int:
         """Drops the packed copies `pack_weights` made; returns their bytes."""
