@@ -31,7 +31,9 @@ log = logging.getLogger(__name__)
 
 BUILTIN = "builtin"  # engine.quantization_calibration's default: calibration.txt beside this module
 MAX_TOKENS = 512
-ALPHAS = tuple(i / 20 for i in range(21))
+ALPHAS = tuple(i / 20 for i in range(21))  # AWQ's grid
+# alpha is chosen on an even sample of this many outputs of a linear, so that the search costs as much for a large
+# model's 11008 outputs as for 1024
 SEARCH_ROWS = 1024
 LEAST_FACTOR = 1e-4  # inputs that stay near zero on the calibration text keep factors of at least this
 
@@ -63,8 +65,8 @@ def smoothing_factors(weight: torch.Tensor, x: torch.Tensor, quantization: str, 
     hold the other shards of this linear, which then agree on alpha by their summed error (for a column-parallel
     linear, the error of the whole output, so the choice one rank would make alone)."""
     w, x = weight.detach().float(), x.detach().float().reshape(-1, weight.shape[1])
-    w = w[::max(1, w.shape[0] // SEARCH_ROWS)]  # alpha from an even sample of the outputs: the search's cost is
-    want = x @ w.T                            # then the same for a 7B model's 11008 outputs as for 1024
+    w = w[::max(1, w.shape[0] // SEARCH_ROWS)]
+    want = x @ w.T
     magnitude = x.abs().mean(0)
     candidates = [None]
     for alpha in ALPHAS[1:]:
