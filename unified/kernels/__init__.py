@@ -20,10 +20,8 @@ from unified.kernels.rotary import apply_rotary, norm_rope_, norm_rope_applies
 from unified.kernels import ops  # noqa: E402,F401 (registers torch.ops.unified.*)
 
 __all__ = ["add_rms_norm", "apply_rotary", "argmax_rows", "argmax_rows_reference", "AttentionPlan", "dequantize",
-           "dequantize_kv",
-           "gated_activation", "gated_activation_reference", "head_argmax", "head_logits", "linear", "moe_experts",
-           "norm_rope_", "norm_rope_applies", "pack_head", "pack_weight", "packed_dim", "PackedHead", "PackedWeight",
-           "paged_attention", "QUANTIZATIONS", "paged_decode", "plan_paged_attention", "quantize",
-           "quantize_kv", "rms_norm",
-           "rms_norm_reference", "route_topk", "scale_layout", "set_backend", "takes_inference_path",
-           "training_path", "write_kv"]
+           "dequantize_kv", "gated_activation", "gated_activation_reference", "head_argmax", "head_logits", "linear",
+           "moe_experts", "norm_rope_", "norm_rope_applies", "pack_head", "pack_weight", "packed_dim", "PackedHead",
+           "PackedWeight", "paged_attention", "QUANTIZATIONS", "paged_decode", "plan_paged_attention", "quantize",
+           "quantize_kv", "rms_norm", "rms_norm_reference", "route_topk", "scale_layout", "set_backend",
+           "takes_inference_path", "training_path", "write_kv"]

@@ -6,7 +6,7 @@ channels carry large activations. A copy that quantizes the weight's columns mul
 (exact before rounding; kernels.quantize) gives those channels finer steps: s = m ** alpha, m being each input's
 mean magnitude over the calibration tokens, with alpha chosen per linear from a grid as the one whose quantized
 output comes closest to the full-precision output on those tokens. alpha = 0 is the plain copy, so no linear
-does worse than plain on the calibration text.
+does worse than plain by the search's own measure.
 
 `calibrate` runs one causal forward of the model (no KV cache) over the tokens, searching each quantized linear
 as its input goes by, and leaves the factors where `pack_weights` uses them: `PackableLinear.input_smoothing`,
