@@ -104,7 +104,9 @@ def calibrate(model, token_ids: list[int]) -> None:
                if isinstance(m, PackableLinear) and (m is not head or model.quantize_head)]
 
     def search(module, args) -> None:
-        module.input_smoothing = smoothing_factors(module.weight, args[0], quantization, int4_group, module.tp_group)
+        if module.weight.dim() == 2 and module.weight.shape[1] == args[0].shape[-1]:  # not a ZeRO-3 partition
+            module.input_smoothing = smoothing_factors(module.weight, args[0], quantization, int4_group,
+                                                       module.tp_group)
 
     hooks = [m.register_forward_pre_hook(search) for m in linears if m is not head]
     device = next(model.parameters()).device
