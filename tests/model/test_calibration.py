@@ -34,6 +34,17 @@ def test_the_search_lowers_the_output_error_where_a_few_inputs_carry_large_activ
         assert _output_error(weight, x, quantization, factors) < 0.8 * _output_error(weight, x, quantization)
 
 
+def test_the_search_runs_on_bfloat16_weights_under_inference_mode():
+    """As an accelerator's bf16 engine calls it: the float32 copies it makes keep no version counter."""
+    g = torch.Generator().manual_seed(3)
+    weight = (torch.randn(64, 128, generator=g) * 0.05).bfloat16()
+    x = torch.randn(100, 128, generator=g)
+    x[:, [5, 9]] *= 60.0
+    with torch.inference_mode():
+        factors = smoothing_factors(weight, x.bfloat16(), "int8")
+    assert factors is not None and factors.dtype == torch.float32
+
+
 def test_inputs_of_even_magnitude_keep_the_plain_copy():
     """Every feature of the same magnitude: no factor does better than 1, so there is none."""
     weight = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))

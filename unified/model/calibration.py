@@ -72,8 +72,10 @@ def smoothing_factors(weight: torch.Tensor, x: torch.Tensor, quantization: str, 
     for alpha in ALPHAS[1:]:
         factors = magnitude.pow(alpha).clamp(min=LEAST_FACTOR)
         candidates.append(factors / (factors.max() * factors.min()).sqrt())
-    errors = torch.stack([(x @ kernels.dequantize(kernels.quantize(w, quantization, int4_group, factors)).T - want)
-                          .square().sum() for factors in candidates])
+    # version=0: these trial copies stand for no weight (and a float copy made under inference mode keeps no
+    # version counter to read)
+    errors = torch.stack([(x @ kernels.dequantize(kernels.quantize(w, quantization, int4_group, factors, version=0)).T
+                           - want).square().sum() for factors in candidates])
     if group is not None and group.size() > 1:
         with collective("calibration_errors", errors):
             torch.distributed.all_reduce(errors, group=group)
