@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -523,12 +525,24 @@ void write_kv_rows_(at::Tensor& cache, const at::Tensor& x, const at::Tensor& sl
   });
 }
 
+// x [..., in] @ weight [out, in].T (+ bias), the weight plain or packed by mkldnn::_reorder_linear_weight: oneDNN's
+// linear, behind a schema that TorchScript's tracer can record (it cannot record the empty `Scalar?[]` that
+// mkldnn::_linear_pointwise takes).
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, weight, bias, std::string("none"), c10::List<std::optional<at::Scalar>>(),
+                          std::optional<std::string>("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 }  // namespace
 
 TORCH_LIBRARY(unified_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor? v_cache, Tensor block_tables, Tensor context_lens, "
         "float scale, int sliding_window, int dv) -> Tensor", &paged_decode);
   m.def("skinny_linear(Tensor x, Tensor w, Tensor? bias) -> Tensor", &skinny_linear);
+  m.def("onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", &onednn_linear);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("silu_and_mul(Tensor x) -> Tensor", &silu_and_mul);
   m.def("norm_rope_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor? q_weight, Tensor? k_weight, int q_heads, "

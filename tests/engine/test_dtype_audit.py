@@ -39,8 +39,10 @@ class Upcasts(TorchDispatchMode):
 def test_a_bf16_step_upcasts_only_where_declared(runtime, tiny_checkpoint):
     for family in ("llama", "qwen3_moe", "deepseek_v3"):
         loaded = load_model(tiny_checkpoint(family), "cpu", torch.bfloat16)
-        engine = LLMEngine(loaded.model, None, EngineConfig(num_blocks=32, block_size=16), torch.device("cpu"),
-                           torch.bfloat16, accelerator=None, eos_token_ids=set())
+        # Eager, so that each op is seen with the line of ours that asked for it: traced decode steps
+        # (engine/traced_steps.py) replay the very ops recorded from this forward.
+        engine = LLMEngine(loaded.model, None, EngineConfig(num_blocks=32, block_size=16, enforce_eager=True),
+                           torch.device("cpu"), torch.bfloat16, accelerator=None, eos_token_ids=set())
         engine.add_request([3, 1, 4, 1, 5, 9, 2, 6], SamplingParams(max_tokens=3, ignore_eos=True, temperature=0))
         audit = Upcasts()
         with audit:

@@ -63,7 +63,8 @@ class EngineConfig:
     # stream, overlapping the language model); None: on accelerators, off on CPU, where nothing overlaps.
     image_prefetch: Optional[bool] = None
     # Run every step eagerly: no decode graphs (on accelerators, pure-decode steps otherwise replay CUDA/MUSA
-    # graphs captured per padded batch size; see unified/engine/decode_graphs.py)
+    # graphs captured per padded batch size, unified/engine/decode_graphs.py; on CPU, those of up to 32 sequences
+    # replay TorchScript traces, unified/engine/traced_steps.py)
     enforce_eager: bool = False
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     # Weights served quantized: None (as loaded) | int8 (weight-only, one scale per output feature) | int4

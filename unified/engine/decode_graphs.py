@@ -13,7 +13,8 @@ needed), the int4 key centres (written in place). Attention takes its metadata f
 (kernels.paged_decode), so nothing in the forward depends on the step's host-side values. Graphs need the
 Triton attention kernel (the reference would read every block of the longest context for every row); steps
 with prefill chunks, prompt logprobs or more sequences than the largest size run eagerly, as everything
-does with engine.enforce_eager=true, on CPU (nothing to capture), and under tensor or pipeline parallelism.
+does with engine.enforce_eager=true and under tensor or pipeline parallelism. On CPU, traced_steps.py records
+small decode steps with TorchScript instead.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 
 from unified.engine.kv_cache import KVCache, PagedAttentionContext, StepMetadata
 from unified.engine.scheduler import ScheduledSeq
+from unified import kernels
 from unified.kernels import registry
 from unified.kernels.sources import triton_module
 from unified.kernels.staging import copy_to
@@ -37,13 +39,15 @@ def batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def unsupported_reason(model, cache: KVCache, device: torch.device, accelerator, distributed: bool) -> str | None:
-    """Why this engine cannot replay decode graphs, or None when it can."""
-    if device.type == "cpu" or accelerator is None or accelerator.create_graph() is None:
-        return "no accelerator to capture graphs on"
+    """Why this engine cannot replay decode graphs (on CPU: traced steps, traced_steps.py), or None when it can."""
     if distributed:
         return "not yet under tensor or pipeline parallelism"
     if getattr(model.config, "mrope_section", None) is not None:
         return "M-RoPE positions"
+    if device.type == "cpu":
+        return None
+    if accelerator is None or accelerator.create_graph() is None:
+        return "no accelerator to capture graphs on"
     layer = next(i for i, values in enumerate(cache.values) if values is not None)
     k_cache = cache.values[layer][0]
     probe = torch.empty(1, model.config.num_heads, model.config.head_dim if model.config.mla is None
@@ -81,8 +85,13 @@ class DecodeGraphs:
             for item in batch)
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """float32 logits [len(batch), V], one row per sequence in batch order."""
+    def run(self, batch: list[ScheduledSeq], greedy: bool = False) -> torch.Tensor:
+        """float32 logits [len(batch), V] (greedy: each row's most likely token), one row per sequence in batch
+        order."""
+        logits = self._logits(batch)
+        return kernels.argmax_rows(logits) if greedy else logits
+
+    def _logits(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         size = next(s for s in self.sizes if s >= len(batch))
         self._fill(batch, size)
         if self.generation != self.cache.generation:

@@ -98,7 +98,7 @@ class LLMEngine:
         self.weights_version = 0  # how many times update_weights replaced the weights
         self._pack_pending = False  # the weights changed: pack them again before the next step
         self.link = TrainerLink(self)  # an external RL trainer's weight updates and sleep mode
-        if not engine_cfg.enforce_eager and device.type != "cpu":
+        if not engine_cfg.enforce_eager:
             capture_decode_graphs(self, accelerator)
         cache = self.runner.cache
         log.info("KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %d bytes/token)", num_blocks,

@@ -22,7 +22,6 @@ import logging
 
 import torch
 
-from unified import kernels
 from unified.engine.decode_graphs import DecodeGraphs
 from unified.engine.kv_cache import KVCache, PagedAttentionContext, StepMetadata
 from unified.engine.multimodal import EncoderCache
@@ -194,8 +193,7 @@ class ModelRunner:
         the model may find without writing the logits."""
         if self.graphs is not None and self.graphs.takes(batch):
             self.prompt_rows = []
-            logits = self.graphs.run(batch)
-            return kernels.argmax_rows(logits) if greedy else logits
+            return self.graphs.run(batch, greedy)
         plan = (*self.prepare(batch), greedy)
         if self.distributed:
             torch.distributed.broadcast_object_list([plan], src=self.driver, group=self.group)

@@ -9,6 +9,7 @@ import torch
 
 from unified.engine.decode_graphs import DecodeGraphs, unsupported_reason
 from unified.engine.kv_cache import CacheShape, kv_bits_of
+from unified.engine.traced_steps import TracedDecodeSteps, untraceable_reason
 from unified.engine.sampling_params import SamplingParams
 from unified.errors import UserError
 from unified.runtime.memory_report import log_against_plan
@@ -48,13 +49,20 @@ def _largest_forward(engine) -> None:
 
 
 def capture_decode_graphs(engine, accelerator) -> None:
-    """Captures the engine's pure-decode steps as graphs (decode_graphs.py), where they can be."""
-    runner = engine.runner
+    """Captures the engine's pure-decode steps as graphs (decode_graphs.py), where they can be; on CPU, its small
+    ones as TorchScript traces (traced_steps.py), each recorded when first needed."""
+    runner, on_cpu = engine.runner, engine.device.type == "cpu"
     reason = unsupported_reason(engine.model, runner.cache, engine.device, accelerator, runner.distributed)
+    if on_cpu and not reason:
+        reason = untraceable_reason(engine.model)
     if runner.keeps_hidden:
         reason = "engine.speculative.method=mtp drafts from every step's hidden states"
     if reason:
         log.info("decode steps run eagerly: %s", reason)
+        return
+    if on_cpu:
+        runner.graphs = TracedDecodeSteps(engine.model, runner.cache, engine.cfg.max_num_seqs, engine.max_model_len,
+                                          engine.device)
         return
     runner.graphs = DecodeGraphs(engine.model, runner.cache, engine.cfg.max_num_seqs, engine.max_model_len,
                                  engine.device, accelerator)

@@ -132,6 +132,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         return _packed_linear(x, packed, weight.shape[0], bias, weight)
     if 0 < rows <= SKINNY_MAX_ROWS and weight.is_contiguous() and cpu_ops.available():
         return on_rows(torch.ops.unified_cpu.skinny_linear(_rows(x, rows), weight, bias))
+    return _onednn_linear(x, weight, bias)
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear over a plain or packed weight; through the C++ kernels' wrapper where they are built (the
+    call a TorchScript trace can record: engine/traced_steps.py)."""
+    if cpu_ops.available():
+        return torch.ops.unified_cpu.onednn_linear(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -152,7 +160,7 @@ def _packed_linear(x: torch.Tensor, packed: PackedWeight, out_features: int, bia
         if (0 < rows <= SKINNY_OVER_PACKED_MAX_ROWS and weight is not None and packed.adapter is None
                 and weight.is_contiguous() and cpu_ops.available()):
             return torch.ops.unified_cpu.skinny_linear(_rows(x, rows), weight, bias).view(*x.shape[:-1], out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, packed.tensor, bias, "none", [], "")
+        return _onednn_linear(x, packed.tensor, bias)
     out = torch.ops.unified_cpu.panel_linear(_rows(x, rows), packed.tensor, out_features, bias)
     return out.view(*x.shape[:-1], out_features)
 
