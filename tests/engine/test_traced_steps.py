@@ -34,7 +34,10 @@ class Compare:
 
 
 def _engine(loaded, **options):
-    return make_engine(loaded, block_size=16, max_num_seqs=8, **options)
+    engine = make_engine(loaded, block_size=16, max_num_seqs=8, **options)
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.record_after = 1  # short generations: record each size at once
+    return engine
 
 
 def _generate(engine, max_tokens=6, prompts=PROMPTS):
@@ -86,6 +89,7 @@ def test_enforce_eager_and_large_steps_run_eagerly(tiny_models):
     loaded = tiny_models("llama")
     assert _engine(loaded, enforce_eager=True).runner.graphs is None
     engine = make_engine(loaded, block_size=16, max_num_seqs=MAX_TRACED_SEQS + 4)
+    engine.runner.graphs.record_after = 1
     prompts = [[i + 1, i + 2, i + 3] for i in range(MAX_TRACED_SEQS + 2)]
     compare = Compare(engine)
     _generate(engine, max_tokens=2, prompts=prompts)
@@ -93,7 +97,42 @@ def test_enforce_eager_and_large_steps_run_eagerly(tiny_models):
     assert set(engine.runner.graphs.traces) <= set(range(1, MAX_TRACED_SEQS + 1))
 
 
-def test_a_weight_update_drops_the_traces(tiny_models):
+def test_a_size_is_recorded_after_it_has_run_some_steps(tiny_models):
+    """A size seen only in passing (a batch draining) never pays for a trace; a steady one does."""
+    loaded = tiny_models("llama")
+    want = _generate(_engine(loaded, enforce_eager=True), max_tokens=20)
+    engine = make_engine(loaded, block_size=16, max_num_seqs=8)
+    traced = engine.runner.graphs
+    traced.record_after = 8
+    assert _generate(engine, max_tokens=20) == want
+    # the four prompts decode 20-23 tokens: many steps of four sequences, one or two of each smaller size
+    assert set(traced.traces) == {4} and traced.steps_seen[4] > 8
+    assert all(0 < traced.steps_seen[size] < 8 for size in (1, 2, 3))
+
+
+def test_a_weight_updated_in_place_is_read_by_the_trace(tiny_models):
+    """Weights the linears do not copy (a norm's) are read where they lie: an update in place keeps the traces."""
+    loaded = tiny_models("llama")
+    engine = _engine(loaded)
+    _generate(engine)
+    traced = engine.runner.graphs
+    recorded = dict(traced.traces)
+    weight = loaded.model.layers["1"].post_attn_norm.weight
+    original = weight.detach().clone()
+    try:
+        with torch.no_grad():
+            weight.mul_(-2.0)
+        compare = Compare(engine)
+        _generate(engine)
+        assert traced.traces == recorded
+        for got, want in compare.pairs:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    finally:
+        with torch.no_grad():
+            weight.copy_(original)
+
+
+def test_a_stale_packed_copy_drops_the_traces(tiny_models):
     loaded = tiny_models("llama")
     engine = _engine(loaded)
     first = _generate(engine)
@@ -103,7 +142,7 @@ def test_a_weight_update_drops_the_traces(tiny_models):
     original = weight.detach().clone()
     try:
         with torch.no_grad():
-            weight.mul_(3.0)  # in place, as a trainer's step: the trace still holds the tensor
+            weight.mul_(3.0)  # in place, as a trainer's step: the packed copy the trace reads is stale
         compare = Compare(engine)
         changed = _generate(engine)
         assert traced.traces and all(traced.traces[s] is not recorded.get(s) for s in traced.traces)

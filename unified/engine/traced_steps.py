@@ -5,15 +5,16 @@ At a few sequences a CPU decode step is largely host time: each layer makes a do
 decode graphs do on accelerators, the engine records the forward of a step of one-token decodes over static
 buffers once per batch size, here with `torch.jit.trace`, whose interpreter then runs the same kernels with no
 Python in between. Sizes 1 to MAX_TRACED_SEQS are traced exactly (padding would cost real compute on a CPU),
-each when first needed. Bigger steps (their kernels outweigh the host's part, and cascade decoding of shared
-prefixes runs eagerly) and steps with prefill chunks or speculative drafts run eagerly, as everything does with
-engine.enforce_eager=true.
+each once it has run RECORD_AFTER_STEPS steps. Bigger steps (their kernels outweigh the host's part, and
+cascade decoding of shared prefixes runs eagerly) and steps with prefill chunks or speculative drafts run
+eagerly, as everything does with engine.enforce_eager=true.
 
 A trace replays the calls the Python made when it was recorded, so it holds only while nothing they depended on
 changes:
 - the step's metadata lives in the buffers (decode_graphs.py), which attention reads on the device alone;
-- the weights and their packed or quantized copies: a weight update, a repack or an adapter attached changes
-  `_weights_state`, and the traces are dropped and recorded again;
+- which copy of each weight the linears read: a repack, a copy gone stale against its weight, an adapter
+  attached or switched, or a change of kernel backend drops the traces, which are recorded again (weights
+  updated in place are read where they lie, as by decode graphs);
 - the KV cache's tensors: their reallocation (sleep mode) changes the cache's generation, with the same effect.
 A forward that reads a tensor's value on the host (MoE routing sizes each expert's batch so) or runs Python
 hooks would be replayed with what it read or did when recorded: such models are not traced. Each trace is also
@@ -28,6 +29,7 @@ far more slowly and ran it no faster on CPU (bench/RESULTS.md); a torch without 
 """
 from __future__ import annotations
 
+import collections
 import logging
 import warnings
 
@@ -43,6 +45,9 @@ from unified.model.parallel_layers import PackableLinear
 log = logging.getLogger(__name__)
 
 MAX_TRACED_SEQS = 32
+# Steps of a size run eagerly before its trace is recorded (since the weights' copies last changed): recording
+# costs as much as many steps, which a size seen in passing, as a batch drains, would never pay back.
+RECORD_AFTER_STEPS = 16
 
 
 def untraceable_reason(model) -> str | None:
@@ -53,6 +58,19 @@ def untraceable_reason(model) -> str | None:
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         return "ZeRO-3 gathers the partitioned weights around each forward"
     return None
+
+
+def _current(linear: PackableLinear) -> bool:
+    """Whether the linear's packed copy stands for its weight (and adapter) as they are now."""
+    packed = linear.packed
+    if packed is None:
+        return False
+    try:
+        if packed.version != linear.weight._version:
+            return False
+    except RuntimeError:  # an inference tensor keeps no version counter: it cannot have changed in place
+        pass
+    return packed.adapter is None or linear.lora is None or packed.adapter == linear._adapter_versions()
 
 
 def _hooked(model) -> bool:
@@ -80,11 +98,12 @@ class TracedDecodeSteps(DecodeGraphs):
     def __init__(self, model, cache: KVCache, max_num_seqs: int, max_model_len: int, device: torch.device):
         super().__init__(model, cache, min(max_num_seqs, MAX_TRACED_SEQS), max_model_len, device, None)
         self.sizes = list(range(1, min(max_num_seqs, MAX_TRACED_SEQS) + 1))
-        self.parameters = list(model.parameters())
         self.packables = [m for m in model.modules() if isinstance(m, PackableLinear)]
         self.traces: dict[int, torch.jit.ScriptModule] = {}
         self.eager_sizes: set[int] = set()  # sizes whose trace failed its check
-        self.state = self._weights_state()
+        self.steps_seen: collections.Counter[int] = collections.Counter()
+        self.record_after = RECORD_AFTER_STEPS
+        self.decisions = self._decisions()
 
     def takes(self, batch: list[ScheduledSeq]) -> bool:
         return len(batch) not in self.eager_sizes and super().takes(batch)
@@ -94,11 +113,12 @@ class TracedDecodeSteps(DecodeGraphs):
         """float32 logits [len(batch), V] (greedy: each row's most likely token), one row per sequence in
         batch order."""
         size = len(batch)
-        state = self._weights_state()
-        if state != self.state or self.generation != self.cache.generation:
+        decisions = self._decisions()
+        if decisions != self.decisions or self.generation != self.cache.generation:
             self.clear()
-            self.state, self.generation = state, self.cache.generation
-        if size not in self.traces:
+            self.decisions, self.generation = decisions, self.cache.generation
+        self.steps_seen[size] += 1
+        if size not in self.traces and self.steps_seen[size] >= self.record_after:
             self._record(size)
         self._fill(batch, size)
         trace = self.traces.get(size)
@@ -110,17 +130,18 @@ class TracedDecodeSteps(DecodeGraphs):
         rows = hidden[0]
         return self.model.greedy_tokens(rows) if greedy else self.model.logits(rows).float()
 
-    def _weights_state(self) -> tuple:
-        """What a trace's calls depend on beside the step's buffers: the parameters' versions (in-place updates
-        bump them; every weight path of the engine updates in place), the packed copies and adapters the linears
-        hold and whether each adapter is on, the tied head's copy, the kernel backend."""
-        return ([p._version for p in self.parameters],
-                [(id(m.packed), id(m.lora), m.lora is not None and m.lora.active) for m in self.packables],
-                id(getattr(self.model, "tied_head_packed", None)), registry.backend())
+    def _decisions(self) -> tuple:
+        """What the forward decided in Python beside the step's buffers, which must still hold for a trace to
+        replay it: which copy each linear reads (its packed copy, while current against the weight's and the
+        adapter's versions, else the weight), its adapter and whether it is on; the kernel backend. The weights
+        themselves a trace reads where they lie, so updates in place need no new trace."""
+        return ([(id(m.packed), _current(m), id(m.lora), m.lora is not None and m.lora.active)
+                 for m in self.packables], registry.backend())
 
     def clear(self) -> None:
         self.traces.clear()
         self.eager_sizes.clear()
+        self.steps_seen.clear()
 
     def _body(self, size: int) -> torch.Tensor:
         with forward_context(self.context(size)):
