@@ -15,6 +15,23 @@ def make_engine(loaded, tokenizer=None, eos=(), **options) -> LLMEngine:
                      accelerator=None, eos_token_ids=set(eos))
 
 
+class Compare:
+    """Wraps the runner's execute: each step its decode graphs (or traced steps) take also runs eagerly, and both
+    logits are kept."""
+
+    def __init__(self, engine):
+        self.runner, self.pairs, self.sizes = engine.runner, [], []
+        self.execute = self.runner.execute
+        self.runner.execute = self
+
+    def __call__(self, batch, greedy=False):
+        graphs = self.runner.graphs
+        if graphs.takes(batch):  # each writes the same K/V at the same slots
+            self.pairs.append((graphs.run(batch), self.runner._run(*self.runner.prepare(batch))))
+            self.sizes.append(len(batch))
+        return self.execute(batch, greedy)
+
+
 class TeacherForcing:
     """A `choose` for LLMEngine.step that feeds given continuations and records the engine's logits."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.conftest import generate_all, make_engine
+from tests.engine.conftest import Compare, generate_all, make_engine
 from unified.engine.decode_graphs import DecodeGraphs, batch_sizes
 from unified.engine.sampling_params import SamplingParams
 from unified.kernels import registry
@@ -28,22 +28,6 @@ def _engine_with_graphs(loaded, **options):
     engine.runner.graphs = DecodeGraphs(engine.model, engine.runner.cache, engine.cfg.max_num_seqs,
                                         engine.max_model_len, engine.device, None)
     return engine
-
-
-class Compare:
-    """Wraps the runner's execute: each step the graphs take also runs eagerly, and both logits are kept."""
-
-    def __init__(self, engine):
-        self.runner, self.pairs, self.sizes = engine.runner, [], []
-        self.execute = self.runner.execute
-        self.runner.execute = self
-
-    def __call__(self, batch, greedy=False):
-        graphs = self.runner.graphs
-        if graphs.takes(batch):  # each writes the same K/V at the same slots
-            self.pairs.append((graphs.run(batch), self.runner._run(*self.runner.prepare(batch))))
-            self.sizes.append(len(batch))
-        return self.execute(batch, greedy)
 
 
 def _run(engine, max_tokens=6):

@@ -8,29 +8,13 @@ import pytest
 import torch
 
 from tests.conftest import _COMMON, build_tiny_hf_model
-from tests.engine.conftest import generate_all, make_engine
+from tests.engine.conftest import Compare, generate_all, make_engine
 from unified.checkpoint import load_model
 from unified.engine.sampling_params import SamplingParams
 from unified.engine.traced_steps import MAX_TRACED_SEQS, TracedDecodeSteps
 from unified.kernels import registry
 
 PROMPTS = [[5, 9, 2, 7, 1, 8, 8, 3, 4, 0, 2, 6, 1, 1, 9, 5, 3, 7], [3, 3, 8], [1, 2, 3, 4, 5, 6, 7], [9, 9]]
-
-
-class Compare:
-    """Wraps the runner's execute: each step the traces take also runs eagerly, and both logits are kept."""
-
-    def __init__(self, engine):
-        self.runner, self.pairs, self.sizes = engine.runner, [], []
-        self.execute = self.runner.execute
-        self.runner.execute = self
-
-    def __call__(self, batch, greedy=False):
-        traced = self.runner.graphs
-        if traced.takes(batch):  # each writes the same K/V at the same slots
-            self.pairs.append((traced.run(batch), self.runner._run(*self.runner.prepare(batch))))
-            self.sizes.append(len(batch))
-        return self.execute(batch, greedy)
 
 
 def _engine(loaded, **options):
