@@ -211,8 +211,11 @@ def bench_model_shape(name: str, rounds: int, skip_peers: bool) -> None:
                  "sampled": random_prompts(vocab, max(BATCHES), seed=5)}
     temperature = {"random": 0.0, "grounded": 0.0, "sampled": 1.0}
     engines = {mode: OurEngine(path, options) for mode, options in MODES.items()}
+    # First-touch costs are not decode speed, nor the trace the engine records of a batch size after 16 of its
+    # steps (engine/traced_steps.py).
     for engine in engines.values():
-        engine.run(workloads["random"][:4], 8)  # first-touch costs are not decode speed
+        for batch in BATCHES:
+            engine.run(workloads["random"][:batch], 32)
     rates = {(m, w, b): [] for m in engines for w in workloads for b in BATCHES
              if w != "sampled" or m in ("fp32", "ngram")}
     bandwidths, outputs = [], {}

@@ -291,8 +291,11 @@ def main() -> None:
     throughput = {(w.name, e): [] for w in workloads for e in engines}
     decode = {name: [] for name in engines}
     bandwidths = []  # each round's, read right before its batch-1 decodes
-    for engine in engines.values():  # one short unmeasured run each: first-touch costs are not throughput
+    # Short unmeasured runs: first-touch costs are not throughput, nor the trace our engine records of a batch
+    # size after 16 of its steps (engine/traced_steps.py).
+    for engine in engines.values():
         engine.run([_greedy(tokens(128), 8) for _ in range(64)])
+        engine.run([_greedy(tokens(128), 32)])
     last: dict[str, list[dict]] = {}
     for _ in range(args.rounds):
         for workload in workloads:
