@@ -31,3 +31,23 @@ def test_a_request_queued_as_the_engine_goes_to_sleep_ends_with_the_sleep_error(
         loop.stop(timeout=10)
     assert isinstance(error, RuntimeError) and str(error) == ASLEEP
     assert not engine.requests
+
+
+def test_the_server_records_no_decode_traces(runtime, tiny_checkpoint):
+    """A recording stalls every stream for as long as many steps: the server's small decode steps run eagerly."""
+    engine = LLMEngine(load_model(tiny_checkpoint("llama")).model, None, EngineConfig(num_blocks=32, block_size=4),
+                       torch.device("cpu"), torch.float32, accelerator=None)
+    loop = EngineLoop(engine)
+    loop.start()
+
+    async def scenario():
+        updates = await loop.submit("long", [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True))
+        while (await asyncio.wait_for(updates.get(), 30)).final is None:
+            pass
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        loop.stop(timeout=10)
+    traced = engine.runner.graphs
+    assert traced.record_after is None and not traced.traces and traced.steps_seen[1] == 0

@@ -7,7 +7,8 @@ buffers once per batch size, here with `torch.jit.trace`, whose interpreter then
 Python in between. Sizes 1 to MAX_TRACED_SEQS are traced exactly (padding would cost real compute on a CPU),
 each once it has run RECORD_AFTER_STEPS steps. Bigger steps (their kernels outweigh the host's part, and
 cascade decoding of shared prefixes runs eagerly) and steps with prefill chunks or speculative drafts run
-eagerly, as everything does with engine.enforce_eager=true.
+eagerly, as everything does with engine.enforce_eager=true. The server records none (serve/async_engine.py):
+a recording would stall every stream.
 
 A trace replays the calls the Python made when it was recorded, so it holds only while nothing they depended on
 changes:
@@ -102,11 +103,13 @@ class TracedDecodeSteps(DecodeGraphs):
         self.traces: dict[int, torch.jit.ScriptModule] = {}
         self.eager_sizes: set[int] = set()  # sizes whose trace failed its check
         self.steps_seen: collections.Counter[int] = collections.Counter()
-        self.record_after = RECORD_AFTER_STEPS
+        self.record_after: int | None = RECORD_AFTER_STEPS  # None: record none (steps run eagerly)
         self.decisions = self._decisions()
 
     def takes(self, batch: list[ScheduledSeq]) -> bool:
-        return len(batch) not in self.eager_sizes and super().takes(batch)
+        size = len(batch)
+        return (size not in self.eager_sizes and (self.record_after is not None or size in self.traces)
+                and super().takes(batch))
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], greedy: bool = False) -> torch.Tensor:
@@ -118,7 +121,7 @@ class TracedDecodeSteps(DecodeGraphs):
             self.clear()
             self.decisions, self.generation = decisions, self.cache.generation
         self.steps_seen[size] += 1
-        if size not in self.traces and self.steps_seen[size] >= self.record_after:
+        if size not in self.traces and self.record_after is not None and self.steps_seen[size] >= self.record_after:
             self._record(size)
         self._fill(batch, size)
         trace = self.traces.get(size)

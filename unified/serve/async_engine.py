@@ -22,6 +22,7 @@ from unified.engine.llm_engine import LLMEngine
 from unified.engine.outputs import RequestOutput
 from unified.engine.sampler import TokenLogprob
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
+from unified.engine.traced_steps import TracedDecodeSteps
 from unified.errors import UserError
 from unified.runtime.comm import CommLedger, recording
 from unified.serve.thread_futures import settle_from_thread
@@ -65,6 +66,10 @@ class EngineLoop:
         each step and while idle; `stats` is None between refreshes, `collective_seconds` (by kind) is empty
         in one process."""
         self.engine = engine
+        if isinstance(engine.runner.graphs, TracedDecodeSteps):
+            # Recording a trace takes as long as many steps, all of which every stream would wait out (and a
+            # shutdown's last events with them): the server decodes small steps eagerly.
+            engine.runner.graphs.record_after = None
         self._on_step = on_step
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
