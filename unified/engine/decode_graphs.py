@@ -145,10 +145,13 @@ class DecodeGraphs:
             self.contexts[size] = PagedAttentionContext(self.cache, meta)
         return self.contexts[size]
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _hidden(self, size: int) -> torch.Tensor:
+        """The final hidden states [1, size, H] of the step in the buffers."""
         with forward_context(self.context(size)):
-            hidden = self.model(self.ids[:, :size], self.positions[:, :size])
-        return self.model.logits(hidden[0]).float()
+            return self.model(self.ids[:, :size], self.positions[:, :size])
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model.logits(self._hidden(size)[0]).float()
 
     def _capture(self, size: int) -> None:
         self._forward(size)  # compiles and tunes the kernels, outside the capture

@@ -126,7 +126,7 @@ class TracedDecodeSteps(DecodeGraphs):
         self._fill(batch, size)
         trace = self.traces.get(size)
         if trace is None:
-            hidden = self._body(size)
+            hidden = self._hidden(size)
         else:
             with torch.jit.optimized_execution(False):
                 hidden = trace(self.ids[:, :size])
@@ -145,10 +145,6 @@ class TracedDecodeSteps(DecodeGraphs):
         self.traces.clear()
         self.eager_sizes.clear()
         self.steps_seen.clear()
-
-    def _body(self, size: int) -> torch.Tensor:
-        with forward_context(self.context(size)):
-            return self.model(self.ids[:, :size], self.positions[:, :size])
 
     def _fill_check(self, size: int, salt: int) -> None:
         """A check input: rows that decode distinct tokens at distinct positions of the scratch block (which no
@@ -179,7 +175,7 @@ class TracedDecodeSteps(DecodeGraphs):
             self.eager_sizes.add(size)
             return
         self._fill_check(size, salt=1)
-        want = self._body(size)
+        want = self._hidden(size)
         with torch.jit.optimized_execution(False):
             got = trace(self.ids[:, :size])
         if not torch.equal(got, want):
