@@ -160,9 +160,7 @@ class TracedDecodeSteps(DecodeGraphs):
 
     def _record(self, size: int) -> None:
         if _hooked(self.model):
-            log.info("decode steps of %d sequences run eagerly: the model has forward hooks", size)
-            self.eager_sizes.add(size)
-            return
+            return self._stay_eager(size, "the model has forward hooks")
         body = _Body(self.model, self, size)
         self._fill_check(size, salt=0)
         try:
@@ -171,15 +169,15 @@ class TracedDecodeSteps(DecodeGraphs):
                 warnings.simplefilter("ignore", DeprecationWarning)
                 trace = torch.jit.trace(body, (self.ids[:, :size],), check_trace=False)
         except Exception as error:  # noqa: BLE001 - any forward the tracer cannot record runs eagerly
-            log.info("decode steps of %d sequences run eagerly: the trace failed (%s)", size, error)
-            self.eager_sizes.add(size)
-            return
+            return self._stay_eager(size, f"the trace failed ({error})")
         self._fill_check(size, salt=1)
         want = self._hidden(size)
         with torch.jit.optimized_execution(False):
             got = trace(self.ids[:, :size])
         if not torch.equal(got, want):
-            log.info("decode steps of %d sequences run eagerly: their trace does not replay the forward", size)
-            self.eager_sizes.add(size)
-            return
+            return self._stay_eager(size, "their trace does not replay the forward")
         self.traces[size] = trace
+
+    def _stay_eager(self, size: int, why: str) -> None:
+        log.info("decode steps of %d sequences run eagerly: %s", size, why)
+        self.eager_sizes.add(size)

@@ -9,8 +9,8 @@ import torch
 
 from unified.engine.decode_graphs import DecodeGraphs, unsupported_reason
 from unified.engine.kv_cache import CacheShape, kv_bits_of
-from unified.engine.traced_steps import TracedDecodeSteps, untraceable_reason
 from unified.engine.sampling_params import SamplingParams
+from unified.engine.traced_steps import TracedDecodeSteps, untraceable_reason
 from unified.errors import UserError
 from unified.runtime.memory_report import log_against_plan
 
@@ -50,7 +50,7 @@ def _largest_forward(engine) -> None:
 
 def capture_decode_graphs(engine, accelerator) -> None:
     """Captures the engine's pure-decode steps as graphs (decode_graphs.py), where they can be; on CPU, its small
-    ones as TorchScript traces (traced_steps.py), each recorded when first needed."""
+    ones as TorchScript traces (traced_steps.py), each recorded once its size has run a few steps."""
     runner, on_cpu = engine.runner, engine.device.type == "cpu"
     reason = unsupported_reason(engine.model, runner.cache, engine.device, accelerator, runner.distributed)
     if on_cpu and not reason:
