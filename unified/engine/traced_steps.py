@@ -23,7 +23,8 @@ checked when recorded: recorded on one input and replayed on another, it must gi
 states exactly, or that size stays eager; the check catches a host read that its input changes, which is why it
 backs up the rules above rather than replacing them. Traces run unoptimised: the buffers, the cache and the
 packed copies are constants of the trace, and the optimiser's constant propagation would fold every read of
-them into the values they held at the first runs.
+them into the values they held at the first runs. What it may fold, the sizes the trace recorded (its one batch
+size's), trace_specialization.py folds before the first replay.
 
 `torch.jit.trace` is deprecated in favour of torch.compile, whose inductor backend compiles the decode forward
 far more slowly and ran it no faster on CPU (bench/RESULTS.md); a torch without it decodes eagerly.
@@ -39,6 +40,7 @@ import torch
 from unified.engine.decode_graphs import DecodeGraphs
 from unified.engine.kv_cache import KVCache
 from unified.engine.scheduler import ScheduledSeq
+from unified.engine.trace_specialization import specialize
 from unified.kernels import registry
 from unified.model.forward_context import forward_context
 from unified.model.parallel_layers import PackableLinear
@@ -168,6 +170,7 @@ class TracedDecodeSteps(DecodeGraphs):
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)
                 trace = torch.jit.trace(body, (self.ids[:, :size],), check_trace=False)
+            specialize(trace)
         except Exception as error:  # noqa: BLE001 - any forward the tracer cannot record runs eagerly
             return self._stay_eager(size, f"the trace failed ({error})")
         self._fill_check(size, salt=1)
