@@ -78,3 +78,38 @@ def test_the_kv_cache_pages_are_committed_at_the_lowest_priority(monkeypatch):
     assert cache.prefaulting is None and (thread is None or not thread.is_alive())
     if thread is not None:
         assert calls == [(os.PRIO_PROCESS, thread.native_id, 19)] and thread.native_id != threading.get_native_id()
+
+
+def _huge_page_support() -> bool:
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+    return "[never]" not in mode and tuple(map(int, os.uname().release.split(".")[:2])) >= (6, 1)
+
+
+def _anon_huge_bytes(address: int) -> int:
+    """AnonHugePages of the mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+@pytest.mark.skipif(not _huge_page_support(), reason="transparent huge pages off, or a kernel before MADV_COLLAPSE")
+def test_weights_move_onto_huge_pages_unchanged():
+    import torch
+
+    from unified.runtime.host_memory import back_with_huge_pages
+
+    weight = torch.randn(3 << 20)  # 12 MiB, written on 4 KiB pages
+    want = weight.clone()
+    moved = back_with_huge_pages([weight, weight[1:], torch.randn(10)])  # a view and a small tensor: nothing more
+    assert moved >= 8 << 20 and _anon_huge_bytes(weight.data_ptr() + (6 << 20)) >= 2 << 20
+    assert torch.equal(weight, want)
+    assert back_with_huge_pages([weight]) == moved  # already there: nothing to copy

@@ -75,6 +75,10 @@ class PackedWeight:
         return int16_input_block(self.tensor.shape[1] * (2 if self.layout == "int4" else 1), self.scale.shape[1])
 
     @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.tensor, self.scale, self.input_scale) if t is not None]
+
+    @property
     def nbytes(self) -> int:
         extra = sum(t.numel() * t.element_size() for t in (self.scale, self.input_scale) if t is not None)
         return self.tensor.numel() * self.tensor.element_size() + extra
@@ -174,6 +178,10 @@ class PackedHead:
     chunks: tuple[tuple[int, int, PackedWeight], ...]  # (first, end) vocabulary entries and their packed rows
     shape: tuple[int, ...]  # the weight's when packed
     version: int
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for _, _, p in self.chunks for t in p.tensors]
 
     @property
     def nbytes(self) -> int:

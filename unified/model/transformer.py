@@ -234,6 +234,13 @@ class CausalLM(nn.Module):
                                                       int4_group=self.int4_group,
                                                       smoothing=self.head_smoothing if quantization else None)
 
+    def inference_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a forward reads: the parameters, the buffers and the copies `pack_weights` made."""
+        packed = [m.packed for m in self.modules() if isinstance(m, PackableLinear) and m.packed is not None]
+        if self.tied_head_packed is not None:
+            packed.append(self.tied_head_packed)
+        return [*self.parameters(), *self.buffers(), *(t for p in packed for t in p.tensors)]
+
     def unpack_weights(self) -> int:
         """Drops the packed copies `pack_weights` made; returns their bytes."""
         freed = 0

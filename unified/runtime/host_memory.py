@@ -44,24 +44,64 @@ def release_freed_host_memory() -> bool:
     return bool(libc.malloc_trim(0))
 
 
-_MADV_POPULATE_WRITE = 23  # Linux 5.14+
+_MADV_HUGEPAGE, _MADV_POPULATE_WRITE, _MADV_COLLAPSE = 14, 23, 25  # Linux 2.6.38+, 5.14+, 6.1+
 _PREFAULT_CHUNK = 64 << 20
+_HUGE_PAGE = 2 << 20
+
+
+def _madvise():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def _huge_page_span(start: int, end: int) -> tuple[int, int] | None:
+    """The whole 2 MiB pages inside [start, end), which alone can be huge pages; None if there are none."""
+    first, last = -(-start // _HUGE_PAGE) * _HUGE_PAGE, end // _HUGE_PAGE * _HUGE_PAGE
+    return (first, last) if last > first else None
+
+
+def back_with_huge_pages(tensors: list[torch.Tensor]) -> int:
+    """Moves the host tensors' memory, already written (weights), onto transparent huge pages (2 MiB) where the
+    kernel can, and asks for them on the pages still to come. A decode step streams every weight once: on 4 KiB
+    pages each page costs a TLB miss, dearer on a virtual machine (two levels of page tables to walk), so a stream
+    over huge pages reads faster (bench/RESULTS.md). Moving costs a copy (about a second
+    per GiB here); memory already on huge pages returns at once. Returns the bytes on huge pages; 0 where the
+    kernel cannot (MADV_COLLAPSE is Linux 6.1+; transparent huge pages off; no free huge pages), which changes
+    nothing else."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    madvise, done, moved = _madvise(), set(), 0
+    for tensor in tensors:
+        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
+            continue  # oneDNN's packed copies are opaque: no storage to reach
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in done:
+            continue
+        done.add(storage.data_ptr())
+        span = _huge_page_span(storage.data_ptr(), storage.data_ptr() + storage.nbytes())
+        if span is None:
+            continue
+        first, last = span
+        madvise(first, last - first, _MADV_HUGEPAGE)
+        if madvise(first, last - first, _MADV_COLLAPSE) == 0:
+            moved += last - first
+    return moved
 
 
 def prefault_in_background(tensors: list[torch.Tensor]) -> threading.Thread | None:
     """Commits the pages of freshly calloc'ed host tensors (a KV cache) from a background thread, so that
     the engine's first steps do not fault them in one by one as they write: a fault costs microseconds on a
     virtual machine, and a 2 GiB cache written for the first time took ~70 us more per K/V write of a decode
-    step. MADV_POPULATE_WRITE never changes what the pages hold, so steps may write meanwhile. The thread
+    step. The pages are asked for as huge pages where the kernel has them (see back_with_huge_pages: attention
+    streams the cache as decode steps stream the weights). MADV_POPULATE_WRITE never changes what the pages hold, so steps may write meanwhile. The thread
     keeps the tensors alive until it is done. It runs at the lowest priority (nice 19): at a few hundred MB/s
     on a virtual machine, a GiB takes seconds, and at normal priority it took a core from the steps' parallel
     kernels meanwhile (a decode matmul 20-40x slower while it ran on two cores). None where the kernel cannot
     (before Linux 5.14, not Linux)."""
     if not sys.platform.startswith("linux") or not tensors:
         return None
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    page = os.sysconf("SC_PAGE_SIZE")
+    madvise, page = _madvise(), os.sysconf("SC_PAGE_SIZE")
 
     def populate() -> None:
         try:
@@ -71,8 +111,11 @@ def prefault_in_background(tensors: list[torch.Tensor]) -> threading.Thread | No
         for tensor in tensors:
             start = tensor.data_ptr() // page * page
             end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+            span = _huge_page_span(start, end)
+            if span is not None:
+                madvise(span[0], span[1] - span[0], _MADV_HUGEPAGE)  # before the pages exist
             for offset in range(start, end, _PREFAULT_CHUNK):
-                if libc.madvise(offset, min(_PREFAULT_CHUNK, end - offset), _MADV_POPULATE_WRITE) != 0:
+                if madvise(offset, min(_PREFAULT_CHUNK, end - offset), _MADV_POPULATE_WRITE) != 0:
                     return  # EINVAL: a kernel without it; the pages fault in as written
 
     thread = threading.Thread(target=populate, name="kv-cache-prefault", daemon=True)
