@@ -39,16 +39,10 @@ def _inline(graph: torch._C.Graph, root: torch.jit.ScriptModule) -> None:
     own inliner would insert the methods' pre-optimised graphs, whose constant pooling merges tensor constants
     that held equal values when traced (two buffers, or a buffer and a literal): one would be read for both."""
     while True:
-        modules, calls = {next(graph.inputs()).unique(): root}, []
-        for node in graph.nodes():
-            if node.kind() == "prim::GetAttr" and node.inputsAt(0).unique() in modules:
-                attribute = getattr(modules[node.inputsAt(0).unique()], node.s("name"))
-                if isinstance(attribute, torch.jit.ScriptModule):
-                    modules[node.output().unique()] = attribute
-            elif node.kind() == "prim::CallMethod":
-                calls.append(node)
+        calls = [node for node in graph.nodes() if node.kind() == "prim::CallMethod"]
         if not calls:
             return
+        modules = _attributes(graph, root)
         for node in calls:
             method = modules[node.inputsAt(0).unique()]._c._get_method(node.s("name"))
             with graph.insert_point_guard(node):
@@ -56,6 +50,16 @@ def _inline(graph: torch._C.Graph, root: torch.jit.ScriptModule) -> None:
             for old, new in zip(node.outputs(), outputs):
                 old.replaceAllUsesWith(new)
             node.destroy()
+
+
+def _attributes(graph: torch._C.Graph, root: torch.jit.ScriptModule) -> dict[int, object]:
+    """What each `prim::GetAttr` of the graph reads (submodules, parameters, buffers), by the value it defines;
+    the graph's `self` is `root`."""
+    objects = {next(graph.inputs()).unique(): root}
+    for node in graph.nodes():
+        if node.kind() == "prim::GetAttr" and node.inputsAt(0).unique() in objects:
+            objects[node.output().unique()] = getattr(objects[node.inputsAt(0).unique()], node.s("name"))
+    return objects
 
 
 def _sizes(value: torch._C.Value) -> list[int] | None:
@@ -85,17 +89,12 @@ class _Folder:
     def __init__(self, graph: torch._C.Graph, root: torch.jit.ScriptModule):
         self.graph = graph
         self.sizes: dict[int, int | list[int]] = {}  # values known from shapes (or built on them only)
-        self.objects = {next(graph.inputs()).unique(): root}  # `self` and the attributes read from it
+        self.objects = _attributes(graph, root)
 
     def fold(self) -> None:
         constants, aliases = [], []
         for node in self.graph.nodes():
             kind, inputs = node.kind(), list(node.inputs())
-            if kind == "prim::GetAttr":
-                owner = self.objects.get(inputs[0].unique())
-                if owner is not None:
-                    self.objects[node.output().unique()] = getattr(owner, node.s("name"))
-                continue
             if kind == "aten::contiguous" and _recorded_contiguous(inputs[0]) and _is_zero(self._literal(inputs[1])):
                 aliases.append(node)  # contiguous() of a contiguous tensor is that tensor
                 continue
