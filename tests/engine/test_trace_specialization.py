@@ -64,7 +64,9 @@ def test_shape_arithmetic_is_folded_and_captured_tensors_stay_live():
         torch.testing.assert_close(trace(x), module(x))
 
 
-def test_the_engines_traces_hold_no_shape_arithmetic(tiny_models):
+def test_the_engines_traces_hold_no_shape_arithmetic_and_no_conversions(tiny_models):
+    """Nor, in the layers, a dtype conversion (of the context lengths every layer's attention reads) or a
+    contiguous() of a weight: ops that would run in every replay for nothing."""
     engine = make_engine(tiny_models("qwen3"), block_size=16, max_num_seqs=4)
     engine.runner.graphs.record_after = 1
     _generate(engine, max_tokens=4)
@@ -73,3 +75,7 @@ def test_the_engines_traces_hold_no_shape_arithmetic(tiny_models):
     for trace in traces.values():
         kinds = _kinds(trace)
         assert not any(kinds[k] for k in SHAPE_OPS), {k: kinds[k] for k in SHAPE_OPS}
+        in_layers = [n for n in trace.graph.nodes() if ".layers." in n.scopeName()]
+        assert not [n for n in in_layers if n.kind() == "aten::to"]
+        assert not [n for n in in_layers
+                    if n.kind() == "aten::contiguous" and n.inputsAt(0).node().kind() == "prim::GetAttr"]

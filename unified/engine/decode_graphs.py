@@ -72,7 +72,9 @@ class DecodeGraphs:
         self.positions = torch.zeros(1, largest, dtype=torch.long, device=device)
         self.slots = torch.zeros(largest, dtype=torch.long, device=device)
         self.tables = torch.zeros(largest, width, dtype=torch.long, device=device)
-        self.lens = torch.ones(largest, dtype=torch.int32, device=device)
+        # Context lengths in the dtype the step's attention reads: the CPU kernels' int64, Triton's int32 (a
+        # conversion would be one more op per layer of every step)
+        self.lens = torch.ones(largest, dtype=torch.int64 if device.type == "cpu" else torch.int32, device=device)
         self.graphs: dict[int, tuple[object, torch.Tensor]] = {}
         self.contexts: dict[int, PagedAttentionContext] = {}  # per size: the same objects at every replay
         self.pool = None

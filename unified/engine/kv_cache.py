@@ -150,7 +150,7 @@ class StepMetadata:
     query_start: list[int]  # [S + 1]
     context_lens: list[int]  # [S]
     # Steps of one-token decodes whose metadata lives on the device alone (replayed decode graphs, see
-    # decode_graphs.py): [S] int32 context lengths, which attention reads instead of the lists
+    # decode_graphs.py): [S] int32 or int64 context lengths, which attention reads instead of the lists
     decode_lens: torch.Tensor | None = None
 
 

@@ -63,17 +63,22 @@ def untraceable_reason(model) -> str | None:
     return None
 
 
-def _current(linear: PackableLinear) -> bool:
-    """Whether the linear's packed copy stands for its weight (and adapter) as they are now."""
-    packed = linear.packed
+def _decision(linear: PackableLinear) -> tuple:
+    """What a trace assumed of this linear: which packed copy it reads, whether that copy stands for the weight
+    (and adapter) as they are now, which adapter it has and whether that is on. Read every step, so the weight
+    comes from `_parameters` rather than through nn.Module's __getattr__, which costs more than the rest."""
+    packed, lora = linear.packed, linear.lora
     if packed is None:
-        return False
-    try:
-        if packed.version != linear.weight._version:
-            return False
-    except RuntimeError:  # an inference tensor keeps no version counter: it cannot have changed in place
-        pass
-    return packed.adapter is None or linear.lora is None or packed.adapter == linear._adapter_versions()
+        current = False
+    else:
+        weight = linear._parameters.get("weight")
+        try:
+            current = packed.version == (linear.weight if weight is None else weight)._version
+        except RuntimeError:  # an inference tensor keeps no version counter: it cannot have changed in place
+            current = True
+        if current and packed.adapter is not None and lora is not None:
+            current = packed.adapter == linear._adapter_versions()
+    return id(packed), current, id(lora), lora is not None and lora.active
 
 
 def _hooked(model) -> bool:
@@ -140,8 +145,7 @@ class TracedDecodeSteps(DecodeGraphs):
         replay it: which copy each linear reads (its packed copy, while current against the weight's and the
         adapter's versions, else the weight), its adapter and whether it is on; the kernel backend. The weights
         themselves a trace reads where they lie, so updates in place need no new trace."""
-        return ([(id(m.packed), _current(m), id(m.lora), m.lora is not None and m.lora.active)
-                 for m in self.packables], registry.backend())
+        return [_decision(m) for m in self.packables], registry.backend()
 
     def clear(self) -> None:
         self.traces.clear()

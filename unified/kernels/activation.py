@@ -25,7 +25,7 @@ def gated_activation(x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor
     if act is F.silu and torch.compiler.is_compiling() and cpu_ops.inference_path():  # one opaque op (ops.py)
         return torch.ops.unified.silu_and_mul(x)
     if act is F.silu and registry.use_cpu(x):
-        return torch.ops.unified_cpu.silu_and_mul(x.contiguous())
+        return torch.ops.unified_cpu.silu_and_mul(cpu_ops.contiguous(x))
     if act is F.silu and registry.use_triton(x):
         return triton_module("activation").silu_and_mul(x)
     return gated_activation_reference(x, act)

@@ -79,6 +79,12 @@ def applies(*tensors: torch.Tensor) -> bool:
     return inference_path() and available()
 
 
+def contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t.contiguous() for a C++ kernel, without the call where t already is: each call is one more op in every
+    replay of a traced decode step (engine/traced_steps.py)."""
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def _name() -> str:
     return f"unified_cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
 

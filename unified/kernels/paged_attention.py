@@ -140,8 +140,8 @@ def _decode_batch(q: torch.Tensor, k_cache, v_cache, k_scale, v_scale, plan: Att
     if plan.cascade is not None and _cpu_prefill_kernel_applies(q, k_cache, v_cache, kv_bits, dv):
         return cascade_decode(q.contiguous(), k_cache, v_cache, plan.tables, plan.decode_lens, plan.cascade, scale, dv)
     if _cpu_decode_kernel_applies(q, k_cache, v_cache, kv_bits):
-        return torch.ops.unified_cpu.paged_decode(q.contiguous(), k_cache, v_cache, plan.tables, plan.decode_lens,
-                                                  scale, plan.sliding_window or 0, dv)
+        return torch.ops.unified_cpu.paged_decode(cpu_ops.contiguous(q), k_cache, v_cache, plan.tables,
+                                                  plan.decode_lens, scale, plan.sliding_window or 0, dv)
     seqs, q_heads, _ = q.shape
     length = plan.visible.shape[-1]
 
@@ -232,7 +232,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor |
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, kv_bits: int | None = None,
                  v_head_dim: int | None = None) -> torch.Tensor:
     """One query per sequence with its metadata on the device alone: q [S, Hq, Dk], block_tables [S, W],
-    context_lens [S] int32 -> [S, Hq, Dv]. Shapes depend on S and W only and nothing is read back to the host,
+    context_lens [S] int32 or int64 -> [S, Hq, Dv]. Shapes depend on S and W only and nothing is read back to the host,
     so a captured decode graph replays it with new tables and lengths. Every row must see at least one
     position (padding rows point at a scratch slot)."""
     dv = value_dim(q, v_cache, kv_bits, v_head_dim)
@@ -246,8 +246,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor |
         query_start = torch.arange(seqs + 1, dtype=torch.int32, device=q.device)
         tiles = triton_module("paged_attention").decode_tiles(seqs, q.shape[1], k_cache.shape[2], q.device)
         return _triton_call(q, k_cache, v_cache, k_scale, v_scale, block_tables, query_start,
-                            context_lens.to(torch.int32), tiles, scale, sliding_window, kv_bits, dv)
-    lens = context_lens.to(torch.int64)
+                            _as(context_lens, torch.int32), tiles, scale, sliding_window, kv_bits, dv)
+    lens = _as(context_lens, torch.int64)
     k_pos = torch.arange(block_tables.shape[1] * k_cache.shape[1], device=q.device)[None, :]
     visible = k_pos < lens[:, None]
     if sliding_window is not None:
@@ -255,6 +255,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor |
     plan = AttentionPlan(None, list(range(q.shape[0])), block_tables, lens, visible[:, None, None, :], sliding_window,
                          [], ())
     return _decode_batch(q, k_cache, v_cache, k_scale, v_scale, plan, scale, kv_bits, dv)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in dtype, converted only where it is not (a traced step records no op for a tensor already so)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

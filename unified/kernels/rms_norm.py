@@ -28,7 +28,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return triton_module("norm").rms_norm(x, weight, eps)
     if x.dtype == torch.float32 and weight.dtype == torch.float32 and registry.backend() != "reference":
         if registry.use_cpu(x, weight):
-            return torch.ops.unified_cpu.rms_norm(x.contiguous(), weight.contiguous(), eps)
+            return torch.ops.unified_cpu.rms_norm(cpu_ops.contiguous(x), cpu_ops.contiguous(weight), eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return rms_norm_reference(x, weight, eps)
 
