@@ -450,15 +450,18 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   return out;
 }
 
-// In place over the q and k heads of a fused projection, x [T, H, D] (heads D apart, tokens any stride): each
+// In place over the q and k heads of a fused projection, x [T, H, D] or [1, T, H, D] (heads D apart, tokens any
+// stride): each
 // head optionally RMS-normalised (q_weight for the first q_heads heads, k_weight for the rest; Qwen3's qk-norm),
-// then rotated by RoPE with cos, sin [T, D/2] (the halves convention: x1 = x[:D/2], x2 = x[D/2:]). The same
+// then rotated by RoPE with cos, sin [T, D/2] (any shape of that many values, such as [1, T, D/2]; the halves
+// convention: x1 = x[:D/2], x2 = x[D/2:]). The same
 // operations in the same order as RMSNorm followed by apply_rotary, in one pass instead of about ten ops.
 void norm_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& q_weight,
                 const std::optional<at::Tensor>& k_weight, int64_t q_heads, double eps) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1 && x.stride(1) == x.size(2) &&
-                  x.size(2) % 2 == 0, "norm_rope_: float32 x [T, H, D] with contiguous heads expected");
-  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  TORCH_CHECK((x.dim() == 3 || (x.dim() == 4 && x.size(0) == 1)) && x.scalar_type() == at::kFloat &&
+                  x.stride(-1) == 1 && x.stride(-2) == x.size(-1) && x.size(-1) % 2 == 0,
+              "norm_rope_: float32 x [T, H, D] or [1, T, H, D] with contiguous heads expected");
+  const int64_t tokens = x.size(-3), heads = x.size(-2), dim = x.size(-1), half = dim / 2;
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.numel() == tokens * half && sin.numel() == tokens * half,
               "norm_rope_: float32 cos, sin [T, D/2] expected");
@@ -474,7 +477,7 @@ void norm_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, con
   float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  const int64_t token_stride = x.stride(0);
+  const int64_t token_stride = x.stride(-3);
   const float epsilon = static_cast<float>(eps);
   at::parallel_for(0, tokens * heads, 64, [&](int64_t begin, int64_t end) {
     for (int64_t task = begin; task < end; ++task) {
@@ -506,22 +509,26 @@ void norm_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, con
   });
 }
 
-// cache rows slots[t] (of a cache viewed as [slots, H, D]) = x[t] [H, D], for x with contiguous rows at any token
-// stride (the K or V heads of a fused projection): the KV-cache write, without index_copy_'s per-call set-up.
+// cache rows slots[t] (of a cache viewed as [slots, H, D]) = x[t] [H, D], for x [T, H, D] or [1, T, H, D] with
+// contiguous rows at any token stride (the K or V heads of a fused projection): the KV-cache write, without
+// index_copy_'s per-call set-up.
 void write_kv_rows_(at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots) {
   TORCH_CHECK(cache.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && cache.is_contiguous() &&
-                  x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2) && slots.scalar_type() == at::kLong &&
-                  slots.is_contiguous() && slots.numel() == x.size(0),
-              "write_kv_rows_: float32 cache, x [T, H, D] with contiguous rows, int64 slots [T] expected");
-  const int64_t row = x.size(1) * x.size(2), capacity = cache.numel() / std::max<int64_t>(row, 1);
+                  (x.dim() == 3 || (x.dim() == 4 && x.size(0) == 1)) && x.stride(-1) == 1 &&
+                  x.stride(-2) == x.size(-1) && slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  slots.numel() == x.size(-3),
+              "write_kv_rows_: float32 cache, x [T, H, D] or [1, T, H, D] with contiguous rows, int64 slots [T] "
+              "expected");
+  const int64_t tokens = x.size(-3), stride = x.stride(-3);
+  const int64_t row = x.size(-2) * x.size(-1), capacity = cache.numel() / std::max<int64_t>(row, 1);
   TORCH_CHECK(cache.numel() % std::max<int64_t>(row, 1) == 0, "write_kv_rows_: cache rows do not match x");
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < x.size(0); ++t)
+  for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < capacity, "write_kv_rows_: slot ", sp[t], " outside the cache");
   float* cp = cache.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 256, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) std::copy(xp + t * x.stride(0), xp + t * x.stride(0) + row, cp + sp[t] * row);
+  at::parallel_for(0, tokens, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) std::copy(xp + t * stride, xp + t * stride + row, cp + sp[t] * row);
   });
 }
 

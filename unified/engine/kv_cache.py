@@ -189,8 +189,8 @@ class PagedAttentionContext:
         if centre is not None and not cache.key_centred[layer] and self.meta.decode_lens is None:
             centre.copy_(k[0].float().mean(0))
             cache.key_centred[layer] = True
-        kernels.write_kv(values[0], scales[0], k[0], self.meta.slots, self.cache.bits, centre)
-        kernels.write_kv(values[1], scales[1], v[0], self.meta.slots, self.cache.bits)
+        kernels.write_kv(values[0], scales[0], k, self.meta.slots, self.cache.bits, centre)
+        kernels.write_kv(values[1], scales[1], v, self.meta.slots, self.cache.bits)
         return self._paged(layer, q[0], scale, sliding_window, None).unsqueeze(0)
 
     def attend_latent(self, layer, q, kv, v_dim, scale):

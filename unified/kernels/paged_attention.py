@@ -290,9 +290,17 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
 def write_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor,
              kv_bits: int | None, centre: torch.Tensor | None = None) -> None:
-    """Stores x [T, H, D] at flat slot indices (block * block_size + offset), quantising if asked. int4 keys
-    pass their cache's `centre` [H, D], subtracted before quantising, and are stored with zero-points."""
-    if torch.compiler.is_compiling():
+    """Stores x [T, H, D] (or [1, T, H, D]) at flat slot indices (block * block_size + offset), quantising if asked.
+    int4 keys pass their cache's `centre` [H, D], subtracted before quantising, and are stored with zero-points."""
+    compiling = torch.compiler.is_compiling()
+    if (kv_bits is None and not compiling and (x.dim() == 3 or (x.dim() == 4 and x.shape[0] == 1))
+            and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and cache.is_contiguous()
+            and registry.use_cpu(cache, x) and slots.dtype == torch.int64):
+        torch.ops.unified_cpu.write_kv_rows_(cache, x, slots)  # no set-up per call, x read where it lies
+        return
+    if x.dim() == 4:
+        x = x[0]
+    if compiling:
         torch.ops.unified.write_kv_(cache, scale_cache, x, slots, kv_bits, centre)
         return
     if registry.use_triton(cache, x) and slots.device == x.device and triton_module("kv_cache").applies(x, kv_bits):
@@ -303,11 +311,7 @@ def write_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Ten
             kernels.quantize_rows(cache, scale_cache, x, slots, kv_bits, int4_group(x.shape[-1]), centre)
         return
     if kv_bits is None:
-        if (x.dim() == 3 and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and cache.is_contiguous()
-                and registry.use_cpu(cache, x) and slots.dtype == torch.int64):
-            torch.ops.unified_cpu.write_kv_rows_(cache, x, slots)  # no set-up per call, x read where it lies
-        else:
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
         return
     values, scale = quantize_kv(x, kv_bits, centre, zero_point=centre is not None)
     cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, values)

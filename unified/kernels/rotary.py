@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from unified.kernels import registry
+from unified.kernels import cpu_ops, registry
 from unified.kernels.sources import triton_module
 
 
@@ -48,5 +48,6 @@ def norm_rope_(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_weight:
         triton_module("rope").norm_rope_(qk[0], cos.reshape(-1, half), sin.reshape(-1, half), q_weight, k_weight,
                                          q_heads, eps)
         return
-    torch.ops.unified_cpu.norm_rope_(qk[0], cos.reshape(-1, half).contiguous(), sin.reshape(-1, half).contiguous(),
-                                     q_weight, k_weight, q_heads, eps)
+    # qk and cos, sin as they are: a select and two reshapes per layer fewer in a traced decode step
+    torch.ops.unified_cpu.norm_rope_(qk, cpu_ops.contiguous(cos), cpu_ops.contiguous(sin), q_weight, k_weight, q_heads,
+                                     eps)
