@@ -451,11 +451,10 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 // In place over the q and k heads of a fused projection, x [T, H, D] or [1, T, H, D] (heads D apart, tokens any
-// stride): each
-// head optionally RMS-normalised (q_weight for the first q_heads heads, k_weight for the rest; Qwen3's qk-norm),
-// then rotated by RoPE with cos, sin [T, D/2] (any shape of that many values, such as [1, T, D/2]; the halves
-// convention: x1 = x[:D/2], x2 = x[D/2:]). The same
-// operations in the same order as RMSNorm followed by apply_rotary, in one pass instead of about ten ops.
+// stride): each head optionally RMS-normalised (q_weight for the first q_heads heads, k_weight for the rest;
+// Qwen3's qk-norm), then rotated by RoPE with cos, sin [T, D/2] (any shape of that many values, such as
+// [1, T, D/2]; the halves convention: x1 = x[:D/2], x2 = x[D/2:]). The same operations in the same order as
+// RMSNorm followed by apply_rotary, in one pass instead of about ten ops.
 void norm_rope_(at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const std::optional<at::Tensor>& q_weight,
                 const std::optional<at::Tensor>& k_weight, int64_t q_heads, double eps) {
   TORCH_CHECK((x.dim() == 3 || (x.dim() == 4 && x.size(0) == 1)) && x.scalar_type() == at::kFloat &&

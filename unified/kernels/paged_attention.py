@@ -232,8 +232,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor |
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None, kv_bits: int | None = None,
                  v_head_dim: int | None = None) -> torch.Tensor:
     """One query per sequence with its metadata on the device alone: q [S, Hq, Dk], block_tables [S, W],
-    context_lens [S] int32 or int64 -> [S, Hq, Dv]. Shapes depend on S and W only and nothing is read back to the host,
-    so a captured decode graph replays it with new tables and lengths. Every row must see at least one
+    context_lens [S] int32 or int64 -> [S, Hq, Dv]. Shapes depend on S and W only and nothing is read back to the
+    host, so a captured decode graph replays it with new tables and lengths. Every row must see at least one
     position (padding rows point at a scratch slot)."""
     dv = value_dim(q, v_cache, kv_bits, v_head_dim)
     if torch.compiler.is_compiling():
@@ -290,8 +290,9 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
 def write_kv(cache: torch.Tensor, scale_cache: torch.Tensor | None, x: torch.Tensor, slots: torch.Tensor,
              kv_bits: int | None, centre: torch.Tensor | None = None) -> None:
-    """Stores x [T, H, D] (or [1, T, H, D]) at flat slot indices (block * block_size + offset), quantising if asked.
-    int4 keys pass their cache's `centre` [H, D], subtracted before quantising, and are stored with zero-points."""
+    """Stores x [T, H, D] (or [1, T, H, D]) at flat slot indices (block * block_size + offset), quantising if
+    asked. int4 keys pass their cache's `centre` [H, D], subtracted before quantising, and are stored with
+    zero-points."""
     compiling = torch.compiler.is_compiling()
     if (kv_bits is None and not compiling and (x.dim() == 3 or (x.dim() == 4 and x.shape[0] == 1))
             and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] and cache.is_contiguous()
