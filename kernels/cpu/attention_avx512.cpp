@@ -307,7 +307,9 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
 
 // ---- decode: one query token per sequence ----
 
-constexpr int64_t kDecodeAhead = 16;  // rows fetched ahead of use: a head's rows are strided through the cache
+// Positions per step of a decode task, every head of its span at once; the next step's rows are fetched
+// meanwhile (two 16-position blocks: fewer read slower here, more no faster).
+constexpr int64_t kDecodeChunk = 32;
 
 template <_mm_hint Hint = _MM_HINT_T0>
 inline void prefetch_row(const float* row, int64_t n) {
@@ -325,15 +327,14 @@ inline __m128 sum4(__m512 a, __m512 b, __m512 c, __m512 d) {
   return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), x));
 }
 
-// scores[g * ld + j] = queries[g] . keys[j] for G queries and the n keys, four keys at a time.
+// scores[g * ld + j] = queries[g] . key_rows[j][offset:offset + dk] for G queries and n keys, four keys at a time.
 template <int G>
-inline void decode_scores(const float* queries, int64_t dk, const float* const* keys, int64_t n, float* scores,
-                          int64_t ld) {
+inline void decode_scores(const float* queries, int64_t dk, const float* const* key_rows, int64_t offset, int64_t n,
+                          float* scores, int64_t ld) {
   const int64_t vectors = dk / kLanes;
   const __mmask16 tail = static_cast<__mmask16>((1u << (dk % kLanes)) - 1);
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
-    for (int64_t a = j + kDecodeAhead; a < std::min(n, j + kDecodeAhead + 4); ++a) prefetch_row(keys[a], dk);
     __m512 acc[4][G];
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i)
@@ -344,7 +345,7 @@ inline void decode_scores(const float* queries, int64_t dk, const float* const* 
       const __mmask16 mask = v < vectors ? static_cast<__mmask16>(0xFFFF) : tail;
       __m512 k[4];
 #pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) k[i] = _mm512_maskz_loadu_ps(mask, keys[j + i] + v * kLanes);
+      for (int i = 0; i < 4; ++i) k[i] = _mm512_maskz_loadu_ps(mask, key_rows[j + i] + offset + v * kLanes);
 #pragma GCC unroll 4
       for (int g = 0; g < G; ++g) {
         const __m512 q = _mm512_maskz_loadu_ps(mask, queries + g * dk + v * kLanes);
@@ -360,14 +361,14 @@ inline void decode_scores(const float* queries, int64_t dk, const float* const* 
       __m512 acc = _mm512_setzero_ps();
       for (int64_t v = 0; v * kLanes < dk; ++v) {
         const __mmask16 mask = v < vectors ? static_cast<__mmask16>(0xFFFF) : tail;
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, keys[j] + v * kLanes),
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, key_rows[j] + offset + v * kLanes),
                               _mm512_maskz_loadu_ps(mask, queries + g * dk + v * kLanes), acc);
       }
       scores[g * ld + j] = _mm512_reduce_add_ps(acc);
     }
 }
 
-using DecodeScores = void (*)(const float*, int64_t, const float* const*, int64_t, float*, int64_t);
+using DecodeScores = void (*)(const float*, int64_t, const float* const*, int64_t, int64_t, float*, int64_t);
 constexpr DecodeScores kDecodeScores[5] = {nullptr, decode_scores<1>, decode_scores<2>, decode_scores<3>,
                                            decode_scores<4>};
 
@@ -398,8 +399,11 @@ inline float softmax_row(float* row, int64_t n) {
 
 namespace unified_avx512 {
 
-// paged_decode's AVX-512 body (cpu_kernels.cpp checks the arguments and allocates out [S, Hq, dv]): one task
-// per (sequence, KV head), whose rows are read once for up to four query heads of its group at a time.
+// paged_decode's AVX-512 body (cpu_kernels.cpp checks the arguments and allocates out [S, Hq, dv]). One task
+// is a sequence and a span of its KV heads: all of them where there are enough sequences to keep every thread
+// busy, fewer otherwise (batch 1 splits its heads). The task reads its positions a chunk at a time, every head of
+// the span per chunk, so that it streams each block's rows whole (a head's rows alone are strided through the
+// cache, a slower read), and each K/V row once for the query heads of its group.
 // skips [S] (or null): the positions each sequence leaves out at its start (a prefix attended apart); lse [S, Hq]
 // (or null) receives each row's log-sum-exp of its scaled scores.
 void paged_decode(float* out, const float* q, const float* k_cache, const float* v_cache, int64_t v_row,
@@ -407,49 +411,70 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
                   int64_t kv_heads, int64_t block_size, int64_t dk, int64_t dv, float scale, int64_t sliding_window,
                   const int64_t* skips, float* lse) {
   const int64_t group = q_heads / kv_heads;
-  at::parallel_for(0, seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores, queries(group * dk);
+  const int64_t wanted = 4 * static_cast<int64_t>(at::get_num_threads());  // tasks for an even share per thread
+  const int64_t splits = std::min(kv_heads, std::max<int64_t>(1, (wanted + seqs - 1) / seqs));
+  const int64_t span = (kv_heads + splits - 1) / splits, spans = (kv_heads + span - 1) / span;
+  const auto first_position = [&](int64_t s) {
+    return std::max<int64_t>(sliding_window > 0 ? lens[s] - sliding_window : 0, skips ? skips[s] : 0);
+  };
+  std::vector<int64_t> order(seqs * spans);  // tasks, the most positions first, handed out as threads free up
+  for (int64_t t = 0; t < seqs * spans; ++t) order[t] = t;
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return lens[a / spans] - first_position(a / spans) > lens[b / spans] - first_position(b / spans);
+  });
+  const int64_t task_count = seqs * spans;
+#pragma omp parallel num_threads(std::min<int64_t>(at::get_num_threads(), task_count))
+  {
+    std::vector<float> scores, queries;
     std::vector<const float*> keys, values;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads, len = lens[s];
-      const int64_t first = std::max<int64_t>(sliding_window > 0 ? len - sliding_window : 0, skips ? skips[s] : 0);
-      const int64_t n = len - first;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < task_count; ++t) {
+      const int64_t task = order[t], s = task / spans, h0 = task % spans * span, heads = std::min(span, kv_heads - h0);
+      const int64_t len = lens[s], rows = heads * group, first = first_position(s), n = len - first;
       const int64_t* table = tables + s * width;
       keys.resize(n);
       values.resize(n);
       for (int64_t pos = first; pos < len; ++pos) {
-        const int64_t row = (table[pos / block_size] * block_size + pos % block_size) * kv_heads + h;
-        keys[pos - first] = k_cache + row * dk;
-        values[pos - first] = v_cache + row * v_row;
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        keys[pos - first] = k_cache + (slot * kv_heads + h0) * dk;
+        values[pos - first] = v_cache + (slot * kv_heads + h0) * v_row;
       }
-      const float* qs = q + (s * q_heads + h * group) * dk;
-      // The loops fetch rows kDecodeAhead ahead of use; the first ones are asked for here, the keys' now and
-      // the values' (used after the scores) into L2.
-      for (int64_t j = 0; j < std::min(n, kDecodeAhead); ++j) {
-        prefetch_row(keys[j], dk);
-        prefetch_row<_MM_HINT_T1>(values[j], dv);
+      const int64_t k_span = heads * dk, v_span = (heads - 1) * v_row + dv;
+      for (int64_t j = 0; j < std::min(n, kDecodeChunk); ++j) {  // the first step's keys now, its values into L2
+        prefetch_row(keys[j], k_span);
+        prefetch_row<_MM_HINT_T1>(values[j], v_span);
       }
-      for (int64_t i = 0; i < group * dk; ++i) queries[i] = qs[i] * scale;
-      scores.resize(group * n);
-      for (int64_t g = 0; g < group; g += 4) {
-        const int64_t count = std::min<int64_t>(4, group - g);
-        kDecodeScores[count](queries.data() + g * dk, dk, keys.data(), n, scores.data() + g * n, n);
+      const float* qs = q + (s * q_heads + h0 * group) * dk;
+      queries.resize(rows * dk);
+      for (int64_t i = 0; i < rows * dk; ++i) queries[i] = qs[i] * scale;
+      scores.resize(rows * n);
+      for (int64_t j = 0; j < n; j += kDecodeChunk) {
+        const int64_t count = std::min(kDecodeChunk, n - j);
+        for (int64_t a = j + kDecodeChunk; a < std::min(n, j + 2 * kDecodeChunk); ++a) prefetch_row(keys[a], k_span);
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t g = 0; g < group; g += 4)
+            kDecodeScores[std::min<int64_t>(4, group - g)](queries.data() + (h * group + g) * dk, dk, keys.data() + j,
+                                                           h * dk, count, scores.data() + (h * group + g) * n + j, n);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const float row_lse = softmax_row(scores.data() + g * n, n);
-        if (lse) lse[s * q_heads + h * group + g] = row_lse;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float row_lse = softmax_row(scores.data() + r * n, n);
+        if (lse) lse[s * q_heads + h0 * group + r] = row_lse;
       }
-      float* out_s = out + (s * q_heads + h * group) * dv;
-      for (int64_t g = 0; g < group; g += 4) {
-        const int64_t count = std::min<int64_t>(4, group - g);
-        for (int64_t d = 0; d < dv; d += 4 * kLanes) {
-          const int64_t vectors = std::min<int64_t>(4, (dv - d) / kLanes);
-          kWeightedRows[vectors - 1][count](scores.data() + g * n, n, 1, values.data(), d, n, out_s + g * dv + d, dv,
-                                            false, kDecodeAhead, g == 0 && d == 0 ? dv : 0);
-        }
+      float* out_s = out + (s * q_heads + h0 * group) * dv;
+      for (int64_t j = 0; j < n; j += kDecodeChunk) {
+        const int64_t count = std::min(kDecodeChunk, n - j);
+        for (int64_t a = j + kDecodeChunk; a < std::min(n, j + 2 * kDecodeChunk); ++a) prefetch_row(values[a], v_span);
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t g = 0; g < group; g += 4) {
+            const int64_t r = h * group + g, many = std::min<int64_t>(4, group - g);
+            for (int64_t d = 0; d < dv; d += 4 * kLanes)
+              kWeightedRows[std::min<int64_t>(4, (dv - d) / kLanes) - 1][many](
+                  scores.data() + r * n + j, n, 1, values.data() + j, h * v_row + d, count, out_s + r * dv + d, dv,
+                  j > 0, 0, 0);
+          }
       }
     }
-  });
+  }
 }
 
 }  // namespace unified_avx512

@@ -16,3 +16,29 @@ def test_matches_torch_on_ties_nans_infinities_and_ragged_widths():
         torch.testing.assert_close(kernels.argmax_rows(logits), kernels.argmax_rows_reference(logits), rtol=0,
                                    atol=0)
     assert kernels.argmax_rows(torch.randn(0, 5)).shape == (0,)
+
+
+def test_chunk_by_chunk_merging_gives_the_whole_rows_first_maximum():
+    """argmax_merge_ over a row's vocabulary chunks, in order, ends where argmax over the whole row does
+    (ties across chunks, NaNs, all -inf); the C++ kernel and its reference agree on every chunk's state."""
+    g = torch.Generator().manual_seed(1)
+    for vocab, chunk in ((1000, 256), (151_936, 16_384), (40, 16)):
+        logits = torch.randn(8, vocab, generator=g)
+        logits[1] = 0.0
+        logits[2] = float("-inf")
+        logits[3, vocab - 3] = float("inf")
+        logits[4, vocab // 2] = float("nan")
+        logits[4, vocab - 1] = float("nan")
+        logits[5, 3] = logits[5, vocab - 2] = logits[5].max() + 1  # a tie across chunks: the first wins
+        logits[6, chunk - 1] = logits[6, chunk] = logits[6].max() + 1  # a tie at a chunk's edge
+        states = []
+        for merge in (kernels.argmax_merge_, kernels.argmax_merge_reference):
+            best, index = torch.full((8,), float("-inf")), torch.zeros(8, dtype=torch.long)
+            for start in range(0, vocab, chunk):
+                merge(logits[:, start:start + chunk].contiguous(), start, best, index)
+                states.append((best.clone(), index.clone()))
+            assert index.tolist() == kernels.argmax_rows_reference(logits).tolist()
+        half = len(states) // 2
+        for (b1, i1), (b2, i2) in zip(states[:half], states[half:]):
+            torch.testing.assert_close(b1, b2, rtol=0, atol=0, equal_nan=True)
+            assert i1.tolist() == i2.tolist()

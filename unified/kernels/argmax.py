@@ -2,7 +2,8 @@
 
 The reference is torch's `max(-1).indices` (a row holding a NaN gives that NaN's index). On AVX-512 CPUs,
 float32 rows go through one vectorised pass (`unified_cpu::argmax_rows`, kernels/cpu/argmax_avx512.cpp) that
-tracks indices only; rows with a NaN fall back to the reference.
+tracks indices only; rows with a NaN fall back to the reference. `argmax_merge_` takes the same choice one
+vocabulary chunk at a time (a tied LM head's chunks, `linear.head_argmax`), keeping each row's best value.
 """
 from __future__ import annotations
 
@@ -15,14 +16,35 @@ def argmax_rows_reference(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
+def _in_cpu_kernel(logits: torch.Tensor, op: str) -> bool:
+    return (logits.dim() == 2 and logits.is_cpu and logits.dtype == torch.float32 and logits.is_contiguous()
+            and logits.shape[1] > 0 and registry.use_cpu(logits) and hasattr(torch.ops.unified_cpu, op))  # AVX-512
+
+
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [R, V] -> int64 [R]."""
-    if not (logits.dim() == 2 and logits.is_cpu and logits.dtype == torch.float32
-            and logits.is_contiguous() and logits.shape[1] > 0 and registry.use_cpu(logits)
-            and hasattr(torch.ops.unified_cpu, "argmax_rows")):  # AVX-512 builds only
+    if not _in_cpu_kernel(logits, "argmax_rows"):
         return argmax_rows_reference(logits)
     tokens = torch.ops.unified_cpu.argmax_rows(logits)
     unordered = tokens < 0
     if unordered.any():
         tokens[unordered] = argmax_rows_reference(logits[unordered])
     return tokens
+
+
+def argmax_merge_reference(logits: torch.Tensor, offset: int, best: torch.Tensor, index: torch.Tensor) -> None:
+    value, position = logits.max(-1)
+    better = (value > best) | (value.isnan() & ~best.isnan())  # ties keep the earlier chunk's; a NaN wins
+    best.copy_(torch.where(better, value, best))
+    index.copy_(torch.where(better, position + offset, index))
+
+
+def argmax_merge_(logits: torch.Tensor, offset: int, best: torch.Tensor, index: torch.Tensor) -> None:
+    """One vocabulary chunk of a greedy choice, in place: logits [R, C] of tokens offset .. offset + C - 1;
+    best [R] (logits' dtype) and index int64 [R] hold the maxima of the chunks before it (-inf and 0 before
+    the first) and their tokens. Taken in vocabulary order, the chunks leave each row's first maximum in index,
+    as `argmax_rows` over the whole row gives it."""
+    if _in_cpu_kernel(logits, "argmax_merge_") and best.dtype == torch.float32 and best.is_contiguous():
+        torch.ops.unified_cpu.argmax_merge_(logits, offset, best, index)
+    else:
+        argmax_merge_reference(logits, offset, best, index)

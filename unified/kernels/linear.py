@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from unified.kernels import cpu_ops, registry
+from unified.kernels.argmax import argmax_merge_
 
 _ONEDNN = torch.backends.mkldnn.is_available()
 ONEDNN_PACK_ROWS = 64  # the row count oneDNN tunes its blocked layout for; any row count works with it
@@ -243,15 +244,11 @@ def head_logits(x: torch.Tensor, head: PackedHead, weight: torch.Tensor | None =
 def head_argmax(x: torch.Tensor, head: PackedHead, weight: torch.Tensor | None = None) -> torch.Tensor:
     """x [R, H] -> each row's first maximum over the vocabulary, int64 [R], one chunk of logits at a time (the
     caller checked `head.serves`; `weight` as for `head_logits`)."""
-    best = index = None
+    best = x.new_full(x.shape[:1], float("-inf"))
+    index = torch.zeros(x.shape[:1], dtype=torch.long, device=x.device)
     for start, end, packed in head.chunks:
-        value, position = _packed_linear(x, packed, end - start, None, _rows_of(weight, head, start, end)).max(-1)
-        if best is None:
-            best, index = value, position
-            continue
-        better = value > best  # ties keep the earlier chunk's: the first maximum, as argmax
-        best = torch.where(better, value, best)
-        index = torch.where(better, position + start, index)
+        argmax_merge_(_packed_linear(x, packed, end - start, None, _rows_of(weight, head, start, end)), start, best,
+                      index)
     return index
 
 
