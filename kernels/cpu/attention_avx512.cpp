@@ -307,9 +307,10 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
 
 // ---- decode: one query token per sequence ----
 
-// Positions per step of a decode task, every head of its span at once; the next step's rows are fetched
-// meanwhile (two 16-position blocks: fewer read slower here, more no faster).
-constexpr int64_t kDecodeChunk = 32;
+// The key rows a decode task reads per step, every head of its span at once, while it fetches the next
+// step's: about 64 KiB (fewer positions per step read slower here, for small heads most of all; more read no
+// faster and crowd the caches), at least one 16-position block.
+constexpr int64_t kDecodeStepBytes = 64 * 1024;
 
 template <_mm_hint Hint = _MM_HINT_T0>
 inline void prefetch_row(const float* row, int64_t n) {
@@ -440,7 +441,8 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
         values[pos - first] = v_cache + (slot * kv_heads + h0) * v_row;
       }
       const int64_t k_span = heads * dk, v_span = (heads - 1) * v_row + dv;
-      for (int64_t j = 0; j < std::min(n, kDecodeChunk); ++j) {  // the first step's keys now, its values into L2
+      const int64_t step = std::clamp<int64_t>(kDecodeStepBytes / (4 * k_span), 16, 256) / 4 * 4;
+      for (int64_t j = 0; j < std::min(n, step); ++j) {  // the first step's keys now, its values into L2
         prefetch_row(keys[j], k_span);
         prefetch_row<_MM_HINT_T1>(values[j], v_span);
       }
@@ -448,9 +450,9 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
       queries.resize(rows * dk);
       for (int64_t i = 0; i < rows * dk; ++i) queries[i] = qs[i] * scale;
       scores.resize(rows * n);
-      for (int64_t j = 0; j < n; j += kDecodeChunk) {
-        const int64_t count = std::min(kDecodeChunk, n - j);
-        for (int64_t a = j + kDecodeChunk; a < std::min(n, j + 2 * kDecodeChunk); ++a) prefetch_row(keys[a], k_span);
+      for (int64_t j = 0; j < n; j += step) {
+        const int64_t count = std::min(step, n - j);
+        for (int64_t a = j + step; a < std::min(n, j + 2 * step); ++a) prefetch_row(keys[a], k_span);
         for (int64_t h = 0; h < heads; ++h)
           for (int64_t g = 0; g < group; g += 4)
             kDecodeScores[std::min<int64_t>(4, group - g)](queries.data() + (h * group + g) * dk, dk, keys.data() + j,
@@ -461,9 +463,9 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
         if (lse) lse[s * q_heads + h0 * group + r] = row_lse;
       }
       float* out_s = out + (s * q_heads + h0 * group) * dv;
-      for (int64_t j = 0; j < n; j += kDecodeChunk) {
-        const int64_t count = std::min(kDecodeChunk, n - j);
-        for (int64_t a = j + kDecodeChunk; a < std::min(n, j + 2 * kDecodeChunk); ++a) prefetch_row(values[a], v_span);
+      for (int64_t j = 0; j < n; j += step) {
+        const int64_t count = std::min(step, n - j);
+        for (int64_t a = j + step; a < std::min(n, j + 2 * step); ++a) prefetch_row(values[a], v_span);
         for (int64_t h = 0; h < heads; ++h)
           for (int64_t g = 0; g < group; g += 4) {
             const int64_t r = h * group + g, many = std::min<int64_t>(4, group - g);
