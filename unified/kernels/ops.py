@@ -12,7 +12,7 @@ import torch
 from torch.library import custom_op
 
 from unified.kernels.activation import gated_activation
-from unified.kernels.argmax import argmax_rows
+from unified.kernels.argmax import argmax_merge_, argmax_rows
 from unified.kernels.moe import experts, route_topk
 from unified.kernels.paged_attention import value_dim, paged_attention, paged_decode, write_kv
 from unified.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
@@ -118,6 +118,16 @@ def argmax_rows_op(logits: torch.Tensor) -> torch.Tensor:
 @argmax_rows_op.register_fake
 def _(logits):
     return logits.new_empty(logits.shape[0], dtype=torch.int64)
+
+
+@custom_op("unified::argmax_merge_", mutates_args=("best", "index"))
+def argmax_merge_op(logits: torch.Tensor, offset: int, best: torch.Tensor, index: torch.Tensor) -> None:
+    argmax_merge_(logits, offset, best, index)
+
+
+@argmax_merge_op.register_fake
+def _(logits, offset, best, index):
+    return None
 
 
 @custom_op("unified::route_topk", mutates_args=())
