@@ -411,6 +411,7 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
                   const int64_t* tables, int64_t width, const int64_t* lens, int64_t seqs, int64_t q_heads,
                   int64_t kv_heads, int64_t block_size, int64_t dk, int64_t dv, float scale, int64_t sliding_window,
                   const int64_t* skips, float* lse) {
+  if (seqs == 0) return;
   const int64_t group = q_heads / kv_heads;
   const int64_t wanted = 4 * static_cast<int64_t>(at::get_num_threads());  // tasks for an even share per thread
   const int64_t splits = std::min(kv_heads, std::max<int64_t>(1, (wanted + seqs - 1) / seqs));

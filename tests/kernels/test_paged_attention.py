@@ -137,6 +137,14 @@ def test_decode_kernel_at_model_sizes_matches_the_reference(decode_path, q_heads
         torch.testing.assert_close(kernel, reference, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("decode_path", ["cpu-kernel"], indirect=True)
+def test_decode_kernel_takes_an_empty_batch(decode_path):
+    k_cache, v_cache = torch.randn(2, 4, 16, 2, 64).unbind(0)
+    no_tables, no_lens = torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, dtype=torch.long)
+    out = torch.ops.unified_cpu.paged_decode(torch.randn(0, 4, 64), k_cache, v_cache, no_tables, no_lens, 0.125, 0, 64)
+    assert out.shape == (0, 4, 64)
+
+
 def test_engine_caches_start_zeroed_without_committing_their_pages():
     """Decodes read whole blocks (masked past each sequence's end), so never-written slots must be finite."""
     from unified.engine.kv_cache import zeroed
