@@ -68,21 +68,16 @@ constexpr ScoreTile kScoreTiles[kScorePositions + 1] = {nullptr, score_tile<1>, 
                                                          score_tile<4>, score_tile<5>, score_tile<6>};
 
 // out[r][0:16V] (+)= sum_j w[r * w_row + j * w_key] * values[j][offset:offset + 16V] for R rows of weights
-// (R x V sums in registers), added to what out holds when `accumulate`; the values' rows fetch_ahead rows ahead
-// are asked for on the way (a row of fetch_floats floats; 0: none). Both attention kernels' P V.
+// (R x V sums in registers), added to what out holds when `accumulate`. Both attention kernels' P V.
 template <int R, int V>
 inline void weighted_rows(const float* w, int64_t w_row, int64_t w_key, const float* const* values, int64_t offset,
-                          int64_t n, float* out, int64_t ldo, bool accumulate, int64_t fetch_ahead,
-                          int64_t fetch_floats) {
+                          int64_t n, float* out, int64_t ldo, bool accumulate) {
   __m512 acc[R][V];
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < V; ++c) acc[r][c] = accumulate ? _mm512_loadu_ps(out + r * ldo + c * kLanes) : _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
-    if (fetch_floats && j + fetch_ahead < n)
-      for (int64_t d = 0; d < fetch_floats; d += kLanes)
-        _mm_prefetch(reinterpret_cast<const char*>(values[j + fetch_ahead] + d), _MM_HINT_T0);
     __m512 x[V];
 #pragma GCC unroll 4
     for (int c = 0; c < V; ++c) x[c] = _mm512_loadu_ps(values[j] + offset + c * kLanes);
@@ -100,7 +95,7 @@ inline void weighted_rows(const float* w, int64_t w_row, int64_t w_key, const fl
 }
 
 using WeightedRows = void (*)(const float*, int64_t, int64_t, const float* const*, int64_t, int64_t, float*, int64_t,
-                              bool, int64_t, int64_t);
+                              bool);
 constexpr int kValueRows = 6;
 // kWeightedRows[V - 1][R]: R rows (1-6) x V vectors (1-4) of 16 channels.
 #define UNIFIED_WEIGHTED_ROWS(V)                                                                             \
@@ -242,7 +237,7 @@ void attend_chunks(float* op, float* lse_p, const float* qp, int64_t q_heads, in
           const int64_t vectors = std::min<int64_t>(4, (dv - d) / kLanes);
           for (int64_t r = 0; r < rows; r += kValueRows)
             kWeightedRows[vectors - 1][std::min<int64_t>(kValueRows, rows - r)](st.data() + r, 1, kRows, values, d, n,
-                                                                                 o.data() + r * dv + d, dv, true, 0, 0);
+                                                                                 o.data() + r * dv + d, dv, true);
         }
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -402,8 +397,8 @@ namespace unified_avx512 {
 
 // paged_decode's AVX-512 body (cpu_kernels.cpp checks the arguments and allocates out [S, Hq, dv]). One task
 // is a sequence and a span of its KV heads: all of them where there are enough sequences to keep every thread
-// busy, fewer otherwise (batch 1 splits its heads). The task reads its positions a chunk at a time, every head of
-// the span per chunk, so that it streams each block's rows whole (a head's rows alone are strided through the
+// busy, fewer otherwise (batch 1 splits its heads). The task reads its positions a step at a time, every head of
+// the span per step, so that it streams each block's rows whole (a head's rows alone are strided through the
 // cache, a slower read), and each K/V row once for the query heads of its group.
 // skips [S] (or null): the positions each sequence leaves out at its start (a prefix attended apart); lse [S, Hq]
 // (or null) receives each row's log-sum-exp of its scaled scores.
@@ -419,12 +414,12 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
   const auto first_position = [&](int64_t s) {
     return std::max<int64_t>(sliding_window > 0 ? lens[s] - sliding_window : 0, skips ? skips[s] : 0);
   };
-  std::vector<int64_t> order(seqs * spans);  // tasks, the most positions first, handed out as threads free up
-  for (int64_t t = 0; t < seqs * spans; ++t) order[t] = t;
+  const int64_t task_count = seqs * spans;
+  std::vector<int64_t> order(task_count);  // tasks, the most positions first, handed out as threads free up
+  for (int64_t t = 0; t < task_count; ++t) order[t] = t;
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return lens[a / spans] - first_position(a / spans) > lens[b / spans] - first_position(b / spans);
   });
-  const int64_t task_count = seqs * spans;
 #pragma omp parallel num_threads(std::min<int64_t>(at::get_num_threads(), task_count))
   {
     std::vector<float> scores, queries;
@@ -473,7 +468,7 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
             for (int64_t d = 0; d < dv; d += 4 * kLanes)
               kWeightedRows[std::min<int64_t>(4, (dv - d) / kLanes) - 1][many](
                   scores.data() + r * n + j, n, 1, values.data() + j, h * v_row + d, count, out_s + r * dv + d, dv,
-                  j > 0, 0, 0);
+                  j > 0);
           }
       }
     }
