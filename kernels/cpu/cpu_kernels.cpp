@@ -3,7 +3,7 @@
 //   sequence's K/V rows in place through its block table (no gathered copy of the context).
 //   Reference: unified/kernels/paged_attention.py (_decode_batch).
 // - skinny_linear: x @ w.T for a few rows of x, streaming the weight. Reference: F.linear (linear.py).
-// - pack_panels, panel_linear (AVX2 builds only): x @ w.T through a copy of w packed in panels of 16
+// - pack_panels, panel_linear (AVX2 and AVX-512 builds): x @ w.T through a copy of w packed in panels of 16
 //   output features, for any number of rows. Reference: F.linear (linear.py).
 // - rms_norm, silu_and_mul: one pass each. References: unified/kernels/rms_norm.py, activation.py.
 // - norm_rope_, write_kv_rows_: qk-norm and RoPE in place, the KV-cache write. References:
@@ -33,6 +33,8 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
                   const int64_t* tables, int64_t width, const int64_t* lens, int64_t seqs, int64_t q_heads,
                   int64_t kv_heads, int64_t block_size, int64_t dk, int64_t dv, float scale, int64_t sliding_window,
                   const int64_t* skips, float* lse);
+void panel_linear(const float* x, int64_t m, int64_t k, const float* panels, int64_t n, const float* bias,
+                  float* out);  // panel_avx512.cpp
 }
 #endif
 
@@ -298,15 +300,13 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& w, const std::op
   return out;
 }
 
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 // x @ w.T with w packed once in panels: panel p holds output features [16p, 16p + 16) as k rows of 16
-// floats, so a register tile of 6 rows x 16 features (12 accumulators, 2 weight vectors, 1 broadcast of
-// the 16 AVX2 registers) reads one contiguous stream of weights. Threads take contiguous panel ranges;
-// rows go in blocks of kPanelRowBlock so the block of x a panel meets stays in L2. No split of k: a
-// panel (k x 64 bytes) is read from L2 at a rate the FMAs keep up with. On our 2-core EPYC, over
-// SmolLM2's weights (bench/matmul.py): 142-192 GFLOP/s for 64 and 2048 rows against oneDNN's 129-162 on
-// its own packing; 1-8 rows are bound by reading the weight, 1.01-1.45x over oneDNN there.
-constexpr int64_t kPanel = 16, kPanelRows = 6, kPanelRowBlock = 264;
+// floats, so a register tile of rows x 16 features reads one contiguous stream of weights. Threads take
+// contiguous panel ranges; rows go in blocks so the block of x a panel meets stays in L2. No split of k: a
+// panel (k x 64 bytes) is read from L2 at a rate the FMAs keep up with. The AVX-512 tiles are in
+// panel_avx512.cpp.
+constexpr int64_t kPanel = 16;
 
 at::Tensor pack_panels(const at::Tensor& w) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(),
@@ -326,6 +326,14 @@ at::Tensor pack_panels(const at::Tensor& w) {
   });
   return out;
 }
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2)
+// AVX2 tiles: 6 rows x 16 features (12 accumulators, 2 weight vectors, 1 broadcast of the 16 registers). On
+// a 2-core Zen 3 EPYC, over SmolLM2's weights (bench/matmul.py): 142-192 GFLOP/s for 64 and 2048 rows
+// against oneDNN's 129-162 on its own packing; 1-8 rows are bound by reading the weight, 1.01-1.45x over
+// oneDNN there.
+constexpr int64_t kPanelRows = 6, kPanelRowBlock = 264;
 
 // c[R, 16] = init[16] + a[R, k] @ panel[k, 16], with R <= 6 rows of a `lda` apart and of c `ldc` apart.
 // Named registers, not an array of vectors: GCC kept such an array in memory, storing every
@@ -363,26 +371,8 @@ using PanelTile = void (*)(const float*, int64_t, const float*, int64_t, float*,
 constexpr PanelTile kPanelTiles[kPanelRows + 1] = {nullptr,        panel_tile<1>, panel_tile<2>, panel_tile<3>,
                                                    panel_tile<4>, panel_tile<5>, panel_tile<6>};
 
-// out [M, N] = x [M, K] @ w [N, K].T (+ bias [N]), w given as pack_panels(w).
-at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "panel_linear: contiguous float32 x [M, K] expected");
-  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
-                  panels.size(2) == kPanel && panels.size(1) == x.size(1) && n > (panels.size(0) - 1) * kPanel &&
-                  n <= panels.size(0) * kPanel,
-              "panel_linear: panels = pack_panels(w) of a weight [n, K] expected");
-  const float* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
-                "panel_linear: float32 bias [N] expected");
-    bp = bias->data_ptr<float>();
-  }
-  const int64_t m = x.size(0), k = x.size(1);
-  at::Tensor out = at::empty({m, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = panels.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, panels.size(0), 1, [&](int64_t begin, int64_t end) {
+void panel_matmul(const float* xp, int64_t m, int64_t k, const float* wp, int64_t n, const float* bp, float* op) {
+  at::parallel_for(0, (n + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
     alignas(32) float init[kPanel];
     alignas(32) float edge[kPanelRows * kPanel];  // the last panel's tile when N is no multiple of 16
     for (int64_t block = 0; block < m; block += kPanelRowBlock) {
@@ -404,6 +394,31 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
       }
     }
   });
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+// out [M, N] = x [M, K] @ w [N, K].T (+ bias [N]), w given as pack_panels(w).
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "panel_linear: contiguous float32 x [M, K] expected");
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kFloat && panels.is_contiguous() &&
+                  panels.size(2) == kPanel && panels.size(1) == x.size(1) && n > (panels.size(0) - 1) * kPanel &&
+                  n <= panels.size(0) * kPanel,
+              "panel_linear: panels = pack_panels(w) of a weight [n, K] expected");
+  const float* bp = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n,
+                "panel_linear: float32 bias [N] expected");
+    bp = bias->data_ptr<float>();
+  }
+  const int64_t m = x.size(0), k = x.size(1);
+  at::Tensor out = at::empty({m, n}, x.options());
+#if defined(CPU_CAPABILITY_AVX512)
+  unified_avx512::panel_linear(x.data_ptr<float>(), m, k, panels.data_ptr<float>(), n, bp, out.data_ptr<float>());
+#else
+  panel_matmul(x.data_ptr<float>(), m, k, panels.data_ptr<float>(), n, bp, out.data_ptr<float>());
+#endif
   return out;
 }
 #endif
@@ -554,7 +569,7 @@ TORCH_LIBRARY(unified_cpu, m) {
   m.def("norm_rope_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor? q_weight, Tensor? k_weight, int q_heads, "
         "float eps) -> ()", &norm_rope_);
   m.def("write_kv_rows_(Tensor(a!) cache, Tensor x, Tensor slots) -> ()", &write_kv_rows_);
-#if defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
   m.def("pack_panels(Tensor w) -> Tensor", &pack_panels);
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor", &panel_linear);
 #endif

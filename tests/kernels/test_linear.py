@@ -23,12 +23,15 @@ def test_inference_linear_matches_f_linear(shape):
 
 
 @pytest.mark.parametrize("layout", ["panels", "onednn"])
-@pytest.mark.parametrize("rows", [0, 1, 5, 64, 300, 600])  # 600 rows: more than one row block of the panel kernel
-@pytest.mark.parametrize("out_features,in_features", [(96, 48), (101, 45)])  # whole panels of 16 and a part panel
+# 13 and 25 rows: tiles of unequal height; 600: more than one row block of the panel kernel (AVX2)
+@pytest.mark.parametrize("rows", [0, 1, 5, 13, 25, 64, 300, 600])
+# whole panels of 16 (an even count, an odd one) and a part panel; 2,048 inputs: more than one row block on AVX-512
+@pytest.mark.parametrize("out_features,in_features", [(96, 48), (112, 48), (101, 45), (40, 2048)])
 def test_packed_weight_matches_f_linear(layout, rows, out_features, in_features, monkeypatch):
     if layout == "onednn":
         monkeypatch.setattr(linear_module, "_panels_available", lambda: False)
-    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    # scaled as a model's weights are, so that sums over 2,048 inputs stay within float32's default tolerance
+    weight, bias = torch.randn(out_features, in_features) / in_features ** 0.5, torch.randn(out_features)
     packed = kernels.pack_weight(weight)
     if packed is None or packed.layout != layout:
         pytest.skip(f"no {layout} packing on this machine")
@@ -39,11 +42,11 @@ def test_packed_weight_matches_f_linear(layout, rows, out_features, in_features,
                                            F.linear(x.unsqueeze(0), weight, b))
 
 
-def test_avx2_machines_pack_in_panels():
+def test_avx2_and_avx512_machines_pack_in_panels():
     from unified.kernels import cpu_ops
 
-    if not (cpu_ops.available() and torch.backends.cpu.get_cpu_capability() == "AVX2"):
-        pytest.skip("the panel kernel is built for AVX2 machines")
+    if not (cpu_ops.available() and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")):
+        pytest.skip("the panel kernel is built for AVX2 and AVX-512 machines")
     assert kernels.pack_weight(torch.randn(96, 48)).layout == "panels"
 
 

@@ -24,8 +24,8 @@ from unified.tracing import TracedContextVar
 
 log = logging.getLogger(__name__)
 SOURCES = [sources_root() / "cpu" / name
-           for name in ("cpu_kernels.cpp", "attention_avx512.cpp", "argmax_avx512.cpp", "host_allocator.cpp",
-                        "quantized_linear.cpp")]
+           for name in ("cpu_kernels.cpp", "attention_avx512.cpp", "argmax_avx512.cpp", "panel_avx512.cpp",
+                        "host_allocator.cpp", "quantized_linear.cpp")]
 STALE_LOCK_SECONDS = 600
 # The ATen vector width each CPU capability compiles Vectorized<float> for, and the flags it needs.
 _CAPABILITY_FLAGS = {

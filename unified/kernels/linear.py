@@ -3,14 +3,14 @@
 On CPU, in float32 and with no gradient wanted, `linear` avoids F.linear's MKL sgemm:
 
 - An inference engine hands `linear` a `PackedWeight` (`pack_weight`; vLLM's CPU backend prepacks its
-  weights too). On AVX2 machines that is our panel layout (16 output features per panel, each a
-  contiguous stream), multiplied by `unified_cpu::panel_linear` (kernels/cpu): 1.01-1.45x over oneDNN on its
-  own packing for 1-2048 rows of SmolLM2's weights (`bench/matmul.py`), and at one row (batch-1 decode)
-  it reads the weight at about the memory bandwidth. Elsewhere (no C++ kernels, AVX512 machines where oneDNN has wider
-  vectors than our kernel) the copy is oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`).
-  Either costs a second copy of the weights. A packed copy remembers the weight's version counter and is
-  ignored once the weight changes in place (`copy_`, `add_`), so it is never stale; the owner packs again
-  to get the speed back.
+  weights too). Where the C++ kernels are built (AVX2 and AVX-512 machines) that is our panel layout (16
+  output features per panel, each a contiguous stream), multiplied by `unified_cpu::panel_linear`
+  (kernels/cpu), which reads the weight at about the memory bandwidth for the few rows of a decode step,
+  where oneDNN reads it at half to two thirds of that, and keeps up with oneDNN for many rows (figures:
+  bench/RESULTS.md, `bench/matmul.py`). Elsewhere the copy is oneDNN's blocked layout
+  (`torch.ops.mkldnn._reorder_linear_weight`). Either costs a second copy of the weights. A packed copy
+  remembers the weight's version counter and is ignored once the weight changes in place (`copy_`, `add_`),
+  so it is never stale; the owner packs again to get the speed back.
 - Without a packed copy, 1-8 rows go to `unified_cpu::skinny_linear`, a stream over the plain weight
   eight rows at a time, and more rows to oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, the op
   PyTorch's compiler emits for CPU linears), ~10% faster than MKL here on whole engine steps.
@@ -86,7 +86,7 @@ class PackedWeight:
 
 
 def _panels_available() -> bool:
-    return cpu_ops.available() and hasattr(torch.ops.unified_cpu, "panel_linear")  # AVX2 builds only
+    return cpu_ops.available() and hasattr(torch.ops.unified_cpu, "panel_linear")  # AVX2 and AVX-512 builds
 
 
 def pack_weight(weight: torch.Tensor, delta: torch.Tensor | None = None, adapter: tuple[int, ...] | None = None,

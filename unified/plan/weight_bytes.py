@@ -19,7 +19,7 @@ engine.quantization=int8 an int8 copy (+ a float32 scale per row), with int4 a c
 (+ a float32 scale per group of inputs, kernels.int4_group), of every tensor-parallel linear (the LM head
 with engine.quantize_lm_head), beside the full-precision weights, which stay; on CPU in float32 with
 engine.packed_weights (or quantization) a packed copy of every other tensor-parallel linear and of a tied head
-in vocabulary chunks: on AVX2 hosts in panels of 16 output features (the last panel padded with zeros),
+in vocabulary chunks: on AVX2 and AVX-512 hosts in panels of 16 output features (the last panel padded with zeros),
 elsewhere in oneDNN's blocked layout, counted at the weight's own size as the engine counts it.
 """
 from __future__ import annotations
@@ -40,9 +40,10 @@ PANEL = 16  # output features per panel of unified_cpu::pack_panels
 
 
 def packed_rows_multiple() -> int:
-    """Output features a CPU packed copy rounds up to: PANEL where the engine packs panels (AVX2 builds of
-    the C++ kernels, unified/kernels/linear.py), 1 for oneDNN's layout elsewhere."""
-    panels = torch.backends.cpu.get_cpu_capability() == "AVX2" and os.environ.get("UNIFIED_CPU_KERNELS", "1") != "0"
+    """Output features a CPU packed copy rounds up to: PANEL where the engine packs panels (AVX2 and AVX-512
+    builds of the C++ kernels, unified/kernels/linear.py), 1 for oneDNN's layout elsewhere."""
+    panels = (torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+              and os.environ.get("UNIFIED_CPU_KERNELS", "1") != "0")
     return PANEL if panels else 1
 
 
