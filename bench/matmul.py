@@ -3,8 +3,8 @@
     .venv/bin/python bench/matmul.py [--rows 1 2 4 8 64 2048] [--rounds 3]
 
 Shapes are SmolLM2-135M's (q/k/v fused, gate/up fused, o, down, the LM head). For each shape and row
-count: `unified_cpu::panel_linear` over `pack_weight`'s panels (what `kernels.linear` runs on AVX2
-machines; absent elsewhere), `unified_cpu::skinny_linear` streaming the plain weight (up to 8 rows),
+count: `unified_cpu::panel_linear` over `pack_weight`'s panels (what `kernels.linear` runs on AVX2 and
+AVX-512 machines; absent elsewhere), `unified_cpu::skinny_linear` streaming the plain weight (up to 8 rows),
 oneDNN's matmul over its blocked copy (`torch.ops.mkldnn._linear_pointwise`, the op vLLM's CPU backend and
 PyTorch's compiler run) and F.linear (MKL sgemm on the plain weight). Each contestant cycles through
 enough copies of the weight to pass 64 MiB, so that few-row calls read it from memory as a decode step
