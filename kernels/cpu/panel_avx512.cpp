@@ -3,9 +3,9 @@
 // Reference: F.linear (unified/kernels/linear.py).
 //
 // Panel p holds output features [16p, 16p + 16) as k rows of 16 floats: one zmm vector per input feature,
-// read as one contiguous stream. A register tile is up to kTileRows rows of x by the panel's 16 features (one
-// accumulator per row), so each weight vector loaded feeds that many FMAs and each x entry is a broadcast
-// folded into its FMA. Few rows (decode steps) read each panel once from memory; more rows go through the
+// read as one contiguous stream. A register tile is up to kTileRows rows of x by two adjacent panels' 32
+// features (two accumulators per row), so each weight vector loaded feeds that many FMAs and each x entry,
+// broadcast once, two. Few rows (decode steps) read each panel once from memory; more rows go through the
 // same panel tile by tile while it sits in L2. Threads take contiguous ranges of panels.
 #if defined(CPU_CAPABILITY_AVX512)
 #include <ATen/Parallel.h>
@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -77,11 +78,11 @@ void panel_linear(const float* x, int64_t m, int64_t k, const float* panels, int
   const int64_t tiles = (m + kTileRows - 1) / kTileRows;
   std::vector<int64_t> first(tiles + 1);
   for (int64_t t = 0; t <= tiles; ++t) first[t] = m * t / tiles;
-  std::vector<float> interleaved(m * k);
+  std::unique_ptr<float[]> interleaved(new float[m * k]);  // every entry written below: no zeroing
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t rows = first[t + 1] - first[t];
-      float* dst = interleaved.data() + first[t] * k;
+      float* dst = interleaved.get() + first[t] * k;
       for (int64_t r = 0; r < rows; ++r) {
         const float* row = x + (first[t] + r) * k;
         for (int64_t d = 0; d < k; ++d) dst[d * rows + r] = row[d];
@@ -105,7 +106,7 @@ void panel_linear(const float* x, int64_t m, int64_t k, const float* panels, int
         }
         const float* panel = panels + p * k * kPanel;
         for (int64_t t = block; t < block_end; ++t)
-          kTiles[count - 1][first[t + 1] - first[t] - 1](interleaved.data() + first[t] * k, panel, k,
+          kTiles[count - 1][first[t + 1] - first[t] - 1](interleaved.get() + first[t] * k, panel, k,
                                                           out + first[t] * n + j0, n, init, lanes);
       }
     }
