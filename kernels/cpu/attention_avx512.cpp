@@ -302,14 +302,25 @@ void paged_prefill(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
 
 // ---- decode: one query token per sequence ----
 
-// The key rows a decode task reads per step, every head of its span at once, while it fetches the next
-// step's: about 64 KiB (fewer positions per step read slower here, for small heads most of all; more read no
-// faster and crowd the caches), at least one 16-position block.
+// The positions a decode task reads per step, every KV head at once: about 64 KiB of key rows (fewer positions
+// per step read slower here, for small heads most of all; more read no faster and crowd the caches), at least
+// one 16-position block.
 constexpr int64_t kDecodeStepBytes = 64 * 1024;
+// When there are too few sequences to keep every thread busy, each sequence's positions are split into parts
+// of at least this many, attended apart and merged by their log-sum-exps.
+constexpr int64_t kMinPartPositions = 32;
 
-template <_mm_hint Hint = _MM_HINT_T0>
-inline void prefetch_row(const float* row, int64_t n) {
-  for (int64_t d = 0; d < n; d += kLanes) _mm_prefetch(reinterpret_cast<const char*>(row + d), Hint);
+// Reads n rows of `span` floats, a cache line at a time, in order. A core here fetches memory at full speed
+// only for one ascending stream of lines: the kernels' own order (one head's slice of each row, four rows side
+// by side) and software prefetches (held to the L1 miss buffers) reach about half of it (bench/RESULTS.md).
+// So each step's rows are first read through once, in order, and then computed on from the caches.
+inline void touch_rows(const float* const* rows, int64_t n, int64_t span) {
+  int32_t seen = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const auto* row = reinterpret_cast<const int32_t*>(rows[j]);
+    for (int64_t d = 0; d < span; d += kLanes) seen |= row[d];
+  }
+  asm volatile("" : : "r"(seen));
 }
 
 // The lane sums of a, b, c, d, in that order.
@@ -395,11 +406,10 @@ inline float softmax_row(float* row, int64_t n) {
 
 namespace unified_avx512 {
 
-// paged_decode's AVX-512 body (cpu_kernels.cpp checks the arguments and allocates out [S, Hq, dv]). One task
-// is a sequence and a span of its KV heads: all of them where there are enough sequences to keep every thread
-// busy, fewer otherwise (batch 1 splits its heads). The task reads its positions a step at a time, every head of
-// the span per step, so that it streams each block's rows whole (a head's rows alone are strided through the
-// cache, a slower read), and each K/V row once for the query heads of its group.
+// paged_decode's AVX-512 body (cpu_kernels.cpp checks the arguments and allocates out [S, Hq, dv]). One task is
+// a sequence's positions, or a part of them when there are too few sequences to keep every thread busy, and all
+// of its KV heads: a step's K (then V) rows are read whole, in order, once for every query head. Parts are
+// merged by their log-sum-exps at the end.
 // skips [S] (or null): the positions each sequence leaves out at its start (a prefix attended apart); lse [S, Hq]
 // (or null) receives each row's log-sum-exp of its scaled scores.
 void paged_decode(float* out, const float* q, const float* k_cache, const float* v_cache, int64_t v_row,
@@ -408,71 +418,105 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
                   const int64_t* skips, float* lse) {
   if (seqs == 0) return;
   const int64_t group = q_heads / kv_heads;
+  const int64_t k_span = kv_heads * dk, v_span = (kv_heads - 1) * v_row + dv;
+  const int64_t step = std::clamp<int64_t>(kDecodeStepBytes / (4 * k_span), 16, 256) / 4 * 4;
   const int64_t wanted = 4 * static_cast<int64_t>(at::get_num_threads());  // tasks for an even share per thread
-  const int64_t splits = std::min(kv_heads, std::max<int64_t>(1, (wanted + seqs - 1) / seqs));
-  const int64_t span = (kv_heads + splits - 1) / splits, spans = (kv_heads + span - 1) / span;
-  const auto first_position = [&](int64_t s) {
-    return std::max<int64_t>(sliding_window > 0 ? lens[s] - sliding_window : 0, skips ? skips[s] : 0);
+  const int64_t parts_wanted = (wanted + seqs - 1) / seqs;
+  struct Part {
+    int64_t seq, begin, end;
+    int64_t partial;  // its row in the partial results, or -1: it writes out and lse directly
   };
-  const int64_t task_count = seqs * spans;
-  std::vector<int64_t> order(task_count);  // tasks, the most positions first, handed out as threads free up
-  for (int64_t t = 0; t < task_count; ++t) order[t] = t;
-  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-    return lens[a / spans] - first_position(a / spans) > lens[b / spans] - first_position(b / spans);
-  });
+  std::vector<Part> parts;
+  std::vector<int64_t> split_seqs;  // sequences in more than one part, each followed by its partial rows
+  int64_t partials = 0;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t first = std::max<int64_t>(sliding_window > 0 ? lens[s] - sliding_window : 0, skips ? skips[s] : 0);
+    const int64_t n = lens[s] - first;
+    const int64_t count = std::clamp<int64_t>(n / kMinPartPositions, 1, parts_wanted);
+    if (count > 1) {
+      split_seqs.push_back(s);
+      split_seqs.push_back(partials);
+      split_seqs.push_back(count);
+    }
+    for (int64_t i = 0; i < count; ++i)
+      parts.push_back({s, first + n * i / count, first + n * (i + 1) / count, count > 1 ? partials++ : -1});
+  }
+  std::vector<float> partial_out(partials * q_heads * dv), partial_lse(partials * q_heads);
+  std::stable_sort(parts.begin(), parts.end(),
+                   [](const Part& a, const Part& b) { return a.end - a.begin > b.end - b.begin; });  // longest first
+  const int64_t task_count = static_cast<int64_t>(parts.size());
 #pragma omp parallel num_threads(std::min<int64_t>(at::get_num_threads(), task_count))
   {
-    std::vector<float> scores, queries;
+    std::vector<float> scores, queries(q_heads * dk);
     std::vector<const float*> keys, values;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < task_count; ++t) {
-      const int64_t task = order[t], s = task / spans, h0 = task % spans * span, heads = std::min(span, kv_heads - h0);
-      const int64_t len = lens[s], rows = heads * group, first = first_position(s), n = len - first;
+      const Part part = parts[t];
+      const int64_t s = part.seq, n = part.end - part.begin;
       const int64_t* table = tables + s * width;
       keys.resize(n);
       values.resize(n);
-      for (int64_t pos = first; pos < len; ++pos) {
+      for (int64_t pos = part.begin; pos < part.end; ++pos) {
         const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-        keys[pos - first] = k_cache + (slot * kv_heads + h0) * dk;
-        values[pos - first] = v_cache + (slot * kv_heads + h0) * v_row;
+        keys[pos - part.begin] = k_cache + slot * kv_heads * dk;
+        values[pos - part.begin] = v_cache + slot * kv_heads * v_row;
       }
-      const int64_t k_span = heads * dk, v_span = (heads - 1) * v_row + dv;
-      const int64_t step = std::clamp<int64_t>(kDecodeStepBytes / (4 * k_span), 16, 256) / 4 * 4;
-      for (int64_t j = 0; j < std::min(n, step); ++j) {  // the first step's keys now, its values into L2
-        prefetch_row(keys[j], k_span);
-        prefetch_row<_MM_HINT_T1>(values[j], v_span);
-      }
-      const float* qs = q + (s * q_heads + h0 * group) * dk;
-      queries.resize(rows * dk);
-      for (int64_t i = 0; i < rows * dk; ++i) queries[i] = qs[i] * scale;
-      scores.resize(rows * n);
+      const float* qs = q + s * q_heads * dk;
+      for (int64_t i = 0; i < q_heads * dk; ++i) queries[i] = qs[i] * scale;
+      scores.resize(q_heads * n);
+      touch_rows(keys.data(), std::min(n, step), k_span);
       for (int64_t j = 0; j < n; j += step) {
         const int64_t count = std::min(step, n - j);
-        for (int64_t a = j + step; a < std::min(n, j + 2 * step); ++a) prefetch_row(keys[a], k_span);
-        for (int64_t h = 0; h < heads; ++h)
+        touch_rows(keys.data() + j + count, std::min(step, n - j - count), k_span);
+        for (int64_t h = 0; h < kv_heads; ++h)
           for (int64_t g = 0; g < group; g += 4)
             kDecodeScores[std::min<int64_t>(4, group - g)](queries.data() + (h * group + g) * dk, dk, keys.data() + j,
                                                            h * dk, count, scores.data() + (h * group + g) * n + j, n);
       }
-      for (int64_t r = 0; r < rows; ++r) {
+      float* part_out = part.partial < 0 ? out + s * q_heads * dv : partial_out.data() + part.partial * q_heads * dv;
+      float* part_lse = part.partial < 0 ? (lse ? lse + s * q_heads : nullptr) : partial_lse.data() + part.partial * q_heads;
+      for (int64_t r = 0; r < q_heads; ++r) {
         const float row_lse = softmax_row(scores.data() + r * n, n);
-        if (lse) lse[s * q_heads + h0 * group + r] = row_lse;
+        if (part_lse) part_lse[r] = row_lse;
       }
-      float* out_s = out + (s * q_heads + h0 * group) * dv;
+      touch_rows(values.data(), std::min(n, step), v_span);
       for (int64_t j = 0; j < n; j += step) {
         const int64_t count = std::min(step, n - j);
-        for (int64_t a = j + step; a < std::min(n, j + 2 * step); ++a) prefetch_row(values[a], v_span);
-        for (int64_t h = 0; h < heads; ++h)
+        touch_rows(values.data() + j + count, std::min(step, n - j - count), v_span);
+        for (int64_t h = 0; h < kv_heads; ++h)
           for (int64_t g = 0; g < group; g += 4) {
             const int64_t r = h * group + g, many = std::min<int64_t>(4, group - g);
             for (int64_t d = 0; d < dv; d += 4 * kLanes)
               kWeightedRows[std::min<int64_t>(4, (dv - d) / kLanes) - 1][many](
-                  scores.data() + r * n + j, n, 1, values.data() + j, h * v_row + d, count, out_s + r * dv + d, dv,
+                  scores.data() + r * n + j, n, 1, values.data() + j, h * v_row + d, count, part_out + r * dv + d, dv,
                   j > 0);
           }
       }
     }
   }
+  // Parts of a sequence: out = sum_i w_i out_i with w_i = exp(lse_i - lse), lse = log sum_i exp(lse_i).
+  const int64_t split_count = static_cast<int64_t>(split_seqs.size()) / 3;
+  at::parallel_for(0, split_count * q_heads, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> weights;
+    for (int64_t row = begin; row < end; ++row) {
+      const int64_t* entry = split_seqs.data() + row / q_heads * 3;
+      const int64_t s = entry[0], first = entry[1], count = entry[2], r = row % q_heads;
+      float top = kMinusInf;
+      for (int64_t i = 0; i < count; ++i) top = std::max(top, partial_lse[(first + i) * q_heads + r]);
+      weights.resize(count);
+      float total = 0.f;
+      for (int64_t i = 0; i < count; ++i) total += weights[i] = std::exp(partial_lse[(first + i) * q_heads + r] - top);
+      float* dst = out + (s * q_heads + r) * dv;
+      for (int64_t d = 0; d < dv; d += kLanes) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < count; ++i)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[i] / total),
+                                _mm512_loadu_ps(partial_out.data() + ((first + i) * q_heads + r) * dv + d), acc);
+        _mm512_storeu_ps(dst + d, acc);
+      }
+      if (lse) lse[s * q_heads + r] = top + std::log(total);
+    }
+  });
 }
 
 }  // namespace unified_avx512

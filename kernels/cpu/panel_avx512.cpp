@@ -8,13 +8,13 @@
 // broadcast once, two. Few rows (decode steps) read each panel once from memory; more rows go through the
 // same panel tile by tile while it sits in L2. Threads take contiguous ranges of panels.
 #if defined(CPU_CAPABILITY_AVX512)
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <memory>
 #include <utility>
 #include <vector>
 
@@ -78,11 +78,13 @@ void panel_linear(const float* x, int64_t m, int64_t k, const float* panels, int
   const int64_t tiles = (m + kTileRows - 1) / kTileRows;
   std::vector<int64_t> first(tiles + 1);
   for (int64_t t = 0; t <= tiles; ++t) first[t] = m * t / tiles;
-  std::unique_ptr<float[]> interleaved(new float[m * k]);  // every entry written below: no zeroing
+  // From the CPU allocator (the engine's caching one): a fresh block per call would be page-faulted in anew.
+  const at::Tensor interleaved_buffer = at::empty({m * k}, at::kFloat);
+  float* const interleaved = interleaved_buffer.data_ptr<float>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t rows = first[t + 1] - first[t];
-      float* dst = interleaved.get() + first[t] * k;
+      float* dst = interleaved + first[t] * k;
       for (int64_t r = 0; r < rows; ++r) {
         const float* row = x + (first[t] + r) * k;
         for (int64_t d = 0; d < k; ++d) dst[d * rows + r] = row[d];
@@ -106,7 +108,7 @@ void panel_linear(const float* x, int64_t m, int64_t k, const float* panels, int
         }
         const float* panel = panels + p * k * kPanel;
         for (int64_t t = block; t < block_end; ++t)
-          kTiles[count - 1][first[t + 1] - first[t] - 1](interleaved.get() + first[t] * k, panel, k,
+          kTiles[count - 1][first[t + 1] - first[t] - 1](interleaved + first[t] * k, panel, k,
                                                           out + first[t] * n + j0, n, init, lanes);
       }
     }

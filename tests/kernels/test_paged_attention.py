@@ -114,11 +114,12 @@ def test_a_plan_built_once_serves_every_layer():
 
 @pytest.mark.parametrize("decode_path", ["cpu-kernel"], indirect=True)
 @pytest.mark.parametrize("q_heads,kv_heads,dim", [(9, 3, 64), (8, 2, 44), (8, 4, 128)])
-@pytest.mark.parametrize("lens", [[1, 17, 200, 63, 128], [33, 1, 90, 5, 64, 31, 16, 7, 120, 48, 2, 77], [70]])
+@pytest.mark.parametrize("lens", [[1, 17, 200, 63, 128], [33, 1, 90, 5, 64, 31, 16, 7, 120, 48, 2, 77], [70],
+                                  [700, 3], [1]])
 def test_decode_kernel_at_model_sizes_matches_the_reference(decode_path, q_heads, kv_heads, dim, lens):
     """SmolLM2-like heads (9 query heads on 3 KV heads, dim 64), Qwen3-like (8 on 4, dim 128) and a head size
-    that is no whole number of vectors; 16-token blocks, lengths not block-aligned; batches of 1, 5 and 12
-    sequences (the kernel splits a sequence's heads across tasks only when there are few sequences)."""
+    that is no whole number of vectors; 16-token blocks, lengths not block-aligned; batches of 1, 2, 5 and 12
+    sequences (with few sequences the kernel splits each one's positions into parts, merged at the end)."""
     g = torch.Generator().manual_seed(1)
     block = 16
     width = -(-max(lens) // block)
@@ -128,7 +129,7 @@ def test_decode_kernel_at_model_sizes_matches_the_reference(decode_path, q_heads
     q = torch.randn(len(lens), q_heads, dim, generator=g)
     query_start = list(range(len(lens) + 1))
     assert paged_attention_module._cpu_decode_kernel_applies(q, k_cache, v_cache, None)
-    for window in (None, 50):
+    for window in (None, 50, 300):
         kernel = kernels.paged_attention(q, k_cache, v_cache, tables, query_start, lens, 0.125, sliding_window=window)
         plan = kernels.plan_paged_attention(tables, query_start, lens, block, window)
         with pytest.MonkeyPatch.context() as patch:
