@@ -6,7 +6,8 @@
 // read as one contiguous stream. A register tile is up to kTileRows rows of x by two adjacent panels' 32
 // features (two accumulators per row), so each weight vector loaded feeds that many FMAs and each x entry,
 // broadcast once, two. Few rows (decode steps) read each panel once from memory; more rows go through the
-// same panel tile by tile while it sits in L2. Threads take contiguous ranges of panels.
+// same panel tile by tile while it sits in L2, and those tiles fetch the next panels meanwhile. Threads take
+// contiguous ranges of panels.
 #if defined(CPU_CAPABILITY_AVX512)
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,19 +26,30 @@ constexpr int64_t kPanel = 16;
 constexpr int kTileRows = 12;  // rows x 2 panels of accumulators, with 2 weight vectors, within the 32 zmm registers
 // Rows of x each pass over the panels takes: the block of x a panel meets stays in L2 beside the panel.
 constexpr int64_t kRowBlockBytes = 512 * 1024;
+// Row blocks of at least this many tiles fetch each thread's next panels while the tiles after the first compute
+// on the current ones (bench/RESULTS.md): with fewer, one tile would have to fetch a whole pair of panels.
+constexpr int64_t kMinTilesToFetch = 3;
 
 // c[R, 16 P] = init + a[R, k] @ P panels [k, 16] (P adjacent panels, k * 16 floats apart), where a holds the R
 // rows interleaved (a[d * R + r] is row r's input d) and rows of c are `ldc` apart; the last panel writes the
 // lanes of `lanes` only.
 template <int R, int P>
 void panel_tile(const float* a, const float* panel, int64_t k, float* c, int64_t ldc, const __m512* init,
-                __mmask16 lanes) {
+                __mmask16 lanes, const char* fetch, int64_t fetch_lines) {
+  const int64_t every = fetch_lines > 0 ? std::max<int64_t>(1, k / fetch_lines) : k + 1;
+  int64_t countdown = every;
   __m512 acc[P][R];
 #pragma GCC unroll 32
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 2
     for (int q = 0; q < P; ++q) acc[q][r] = init[q];
   for (int64_t d = 0; d < k; ++d, a += R) {
+    if (--countdown == 0 && fetch_lines > 0) {
+      _mm_prefetch(fetch, _MM_HINT_T0);
+      fetch += 64;
+      --fetch_lines;
+      countdown = every;
+    }
     __m512 w[P];
 #pragma GCC unroll 2
     for (int q = 0; q < P; ++q) w[q] = _mm512_loadu_ps(panel + q * k * kPanel + d * kPanel);
@@ -54,9 +66,11 @@ void panel_tile(const float* a, const float* panel, int64_t k, float* c, int64_t
     for (int q = 0; q < P - 1; ++q) _mm512_storeu_ps(c + r * ldc + q * kPanel, acc[q][r]);
     _mm512_mask_storeu_ps(c + r * ldc + (P - 1) * kPanel, lanes, acc[P - 1][r]);
   }
+  for (; fetch_lines > 0; --fetch_lines, fetch += 64) _mm_prefetch(fetch, _MM_HINT_T0);
 }
 
-using Tile = void (*)(const float*, const float*, int64_t, float*, int64_t, const __m512*, __mmask16);
+using Tile = void (*)(const float*, const float*, int64_t, float*, int64_t, const __m512*, __mmask16, const char*,
+                      int64_t);
 
 template <int P, int... R>
 constexpr auto make_tiles(std::integer_sequence<int, R...>) {
@@ -107,9 +121,19 @@ void panel_linear(const float* x, int64_t m, int64_t k, const float* panels, int
           init[q] = bias ? _mm512_maskz_loadu_ps(valid, bias + j0 + q * kPanel) : _mm512_setzero_ps();
         }
         const float* panel = panels + p * k * kPanel;
-        for (int64_t t = block; t < block_end; ++t)
+        // The tiles after the first fetch the thread's next pair of panels, an equal share each, while they
+        // compute from the caches: the next pair's first tile would otherwise wait on memory.
+        const int64_t fetchers = block_end - block >= kMinTilesToFetch ? block_end - block - 1 : 0;
+        const int64_t next_lines = pair + 1 < end ? std::min<int64_t>(2, panel_count - p - 2) * k * kPanel / 16 : 0;
+        const char* next = reinterpret_cast<const char*>(panel + count * k * kPanel);
+        for (int64_t t = block; t < block_end; ++t) {
+          const int64_t i = t - block - 1;
+          const int64_t from = fetchers > 0 && i >= 0 ? next_lines * i / fetchers : 0;
+          const int64_t to = fetchers > 0 && i >= 0 ? next_lines * (i + 1) / fetchers : 0;
           kTiles[count - 1][first[t + 1] - first[t] - 1](interleaved + first[t] * k, panel, k,
-                                                          out + first[t] * n + j0, n, init, lanes);
+                                                          out + first[t] * n + j0, n, init, lanes, next + from * 64,
+                                                          to - from);
+        }
       }
     }
   });
