@@ -426,18 +426,17 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
     int64_t seq, begin, end;
     int64_t partial;  // its row in the partial results, or -1: it writes out and lse directly
   };
+  struct Split {
+    int64_t seq, first_partial, count;  // a sequence in more than one part, and its rows in the partial results
+  };
   std::vector<Part> parts;
-  std::vector<int64_t> split_seqs;  // sequences in more than one part, each followed by its partial rows
+  std::vector<Split> splits;
   int64_t partials = 0;
   for (int64_t s = 0; s < seqs; ++s) {
     const int64_t first = std::max<int64_t>(sliding_window > 0 ? lens[s] - sliding_window : 0, skips ? skips[s] : 0);
     const int64_t n = lens[s] - first;
     const int64_t count = std::clamp<int64_t>(n / kMinPartPositions, 1, parts_wanted);
-    if (count > 1) {
-      split_seqs.push_back(s);
-      split_seqs.push_back(partials);
-      split_seqs.push_back(count);
-    }
+    if (count > 1) splits.push_back({s, partials, count});
     for (int64_t i = 0; i < count; ++i)
       parts.push_back({s, first + n * i / count, first + n * (i + 1) / count, count > 1 ? partials++ : -1});
   }
@@ -495,26 +494,28 @@ void paged_decode(float* out, const float* q, const float* k_cache, const float*
     }
   }
   // Parts of a sequence: out = sum_i w_i out_i with w_i = exp(lse_i - lse), lse = log sum_i exp(lse_i).
-  const int64_t split_count = static_cast<int64_t>(split_seqs.size()) / 3;
+  const int64_t split_count = static_cast<int64_t>(splits.size());
   at::parallel_for(0, split_count * q_heads, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> weights;
     for (int64_t row = begin; row < end; ++row) {
-      const int64_t* entry = split_seqs.data() + row / q_heads * 3;
-      const int64_t s = entry[0], first = entry[1], count = entry[2], r = row % q_heads;
+      const Split& split = splits[row / q_heads];
+      const int64_t r = row % q_heads;
+      const auto partial = [&](int64_t i) { return (split.first_partial + i) * q_heads + r; };
       float top = kMinusInf;
-      for (int64_t i = 0; i < count; ++i) top = std::max(top, partial_lse[(first + i) * q_heads + r]);
-      weights.resize(count);
+      for (int64_t i = 0; i < split.count; ++i) top = std::max(top, partial_lse[partial(i)]);
+      weights.resize(split.count);
       float total = 0.f;
-      for (int64_t i = 0; i < count; ++i) total += weights[i] = std::exp(partial_lse[(first + i) * q_heads + r] - top);
-      float* dst = out + (s * q_heads + r) * dv;
+      for (int64_t i = 0; i < split.count; ++i) total += weights[i] = std::exp(partial_lse[partial(i)] - top);
+      for (float& w : weights) w /= total;
+      float* dst = out + (split.seq * q_heads + r) * dv;
       for (int64_t d = 0; d < dv; d += kLanes) {
         __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < count; ++i)
-          acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[i] / total),
-                                _mm512_loadu_ps(partial_out.data() + ((first + i) * q_heads + r) * dv + d), acc);
+        for (int64_t i = 0; i < split.count; ++i)
+          acc = _mm512_fmadd_ps(_mm512_set1_ps(weights[i]), _mm512_loadu_ps(partial_out.data() + partial(i) * dv + d),
+                                acc);
         _mm512_storeu_ps(dst + d, acc);
       }
-      if (lse) lse[s * q_heads + r] = top + std::log(total);
+      if (lse) lse[split.seq * q_heads + r] = top + std::log(total);
     }
   });
 }

@@ -32,7 +32,7 @@ constexpr int64_t kMinTilesToFetch = 3;
 
 // c[R, 16 P] = init + a[R, k] @ P panels [k, 16] (P adjacent panels, k * 16 floats apart), where a holds the R
 // rows interleaved (a[d * R + r] is row r's input d) and rows of c are `ldc` apart; the last panel writes the
-// lanes of `lanes` only.
+// lanes of `lanes` only. Meanwhile it prefetches `fetch_lines` cache lines from `fetch` on, spread over its k loop.
 template <int R, int P>
 void panel_tile(const float* a, const float* panel, int64_t k, float* c, int64_t ldc, const __m512* init,
                 __mmask16 lanes, const char* fetch, int64_t fetch_lines) {
