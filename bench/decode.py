@@ -3,7 +3,7 @@
     .venv/bin/python bench/decode.py [--models smollm2,llama-bench] [--rounds 3] [--skip-peers]
 
 Modes of our engine (`engine.*` settings): fp32; int8 (`quantization=int8`, head in fp32); int8 + head
-(`quantize_lm_head=true` too); int4 (`quantization=int4`, head in fp32); ngram (`speculative.method=ngram`,
+(`quantize_lm_head=true` too, each row's 8 best logits rescored in fp32 as the engine does by default); int4 (`quantization=int4`, head in fp32); ngram (`speculative.method=ngram`,
 4 draft tokens). Workloads, EOS ignored:
 `random` (128 random prompt tokens, 128 new, greedy: a model's greedy text on noise often loops, which the
 lookup then finds), `grounded` (greedy; repeat a given paragraph: SmolLM2 gets real text, the random-weight
@@ -12,7 +12,8 @@ seeded: the text rarely repeats, the no-match case for ngram; fp32 and ngram onl
 run of 128 new tokens minus a run of 1), medians of the rounds; the roofline is each round's read bandwidth
 over the bytes a step reads (the weights as served: int8 / int4 copies at a byte / half a byte per entry plus
 scales, the rest as loaded; KV not counted), times the batch. Quality (SmolLM2): quantized against fp32 logits
-on real text (the quality prompts and the four paragraphs, fed one token at a time).
+on real text (the quality prompts and the four paragraphs, fed one token at a time), int8 + head also without
+its rescoring (`quantized_head_rescore=0`).
 
 Peers: vLLM's CPU build (bench/setup_peers.sh), plain and with its n-gram speculation, and `transformers`
 generate at batch 1 (with its prompt-lookup decoding on `grounded`). Neither has an int8 path for a
@@ -121,6 +122,8 @@ class OurEngine:
             head = model.tied_head_packed
             quantized = head is not None and head.chunks[0][2].quantized
             total += head.nbytes if quantized else embed.numel() * embed.element_size()
+            if quantized:  # the rescored candidates' full-precision rows (counted once: a row's worth)
+                total += model.head_rescore * embed.shape[1] * embed.element_size()
         return total + sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in served)
 
 
@@ -154,12 +157,14 @@ def quality(path: Path, tokenizer) -> dict[str, tuple[float, float, float, int]]
     """Quantized modes against fp32 on real text, fed one token at a time as decode feeds it: (mean cosine,
     min cosine, top-1 agreement, positions) over all positions of QUALITY_TEXTS."""
     from unified.checkpoint import load_model
+    from unified.config.schema import EngineConfig
     from unified.model.calibration import BUILTIN, calibrate_for_serving
     from unified.model.forward_context import forward_context
 
     def logits(mode: dict) -> list[torch.Tensor]:
         model = load_model(path).model
         model.weight_quantization, model.quantize_head = mode.get("quantization"), mode.get("quantize_lm_head", False)
+        model.head_rescore = mode.get("quantized_head_rescore", EngineConfig.quantized_head_rescore)
         calibrate_for_serving(model, tokenizer, BUILTIN)  # as the engine does by default
         model.pack_weights()
         out = []
@@ -173,8 +178,9 @@ def quality(path: Path, tokenizer) -> dict[str, tuple[float, float, float, int]]
 
     full = torch.cat(logits({}))
     result = {}
-    for name in ("int8", "int8 + head", "int4"):
-        got = torch.cat(logits(MODES[name]))
+    unrescored = {"int8 + head, not rescored": {**MODES["int8 + head"], "quantized_head_rescore": 0}}
+    for name, mode in [*((name, MODES[name]) for name in ("int8", "int8 + head", "int4")), *unrescored.items()]:
+        got = torch.cat(logits(mode))
         cos = torch.nn.functional.cosine_similarity(got, full, dim=-1)
         result[name] = (cos.mean().item(), cos.min().item(), (got.argmax(-1) == full.argmax(-1)).float().mean().item(),
                         len(full))

@@ -56,25 +56,35 @@ def test_quantized_engine_computes_the_dequantized_model(family, quantization, c
         torch.testing.assert_close(logits, reference_logits(reference, prompt, continuation), rtol=1e-4, atol=1e-4)
 
 
-def test_the_head_is_quantized_when_asked(tiny_checkpoint, runtime):
+@pytest.mark.parametrize("rescore", [0, 3])
+def test_the_head_is_quantized_when_asked(tiny_checkpoint, runtime, rescore):
     """engine.quantize_lm_head: an LM head of its own, and one tied to the embedding (whose lookups keep full
-    precision), serve int8 too."""
+    precision), serve int8 too; with engine.quantized_head_rescore=k each row's k largest logits are the
+    full-precision head's, and greedy decoding picks the first maximum of those logits."""
     prompt, continuation = [3, 1, 4, 1, 5, 9, 2, 6], [8, 9, 7, 9]
     for family in ("llama", "qwen3"):
         path = tiny_checkpoint(family)
         loaded = load_model(path)
-        engine = make_engine(loaded, quantization="int8", quantize_lm_head=True)
+        engine = make_engine(loaded, quantization="int8", quantize_lm_head=True, quantized_head_rescore=rescore)
         model = loaded.model
         head = model.lm_head.packed if model.lm_head is not None else model.tied_head_packed.chunks[0][2]
         assert head.layout == "int8"
         got = run_teacher_forced(engine, [prompt], [continuation])[0]
         reference = _dequantized_copy(path, with_head=True).model
         ids = prompt + continuation[:-1]
+        full = load_model(path).model
+        full_weight = (full.lm_head or full.embed).weight
         with torch.inference_mode():
             hidden = reference(torch.tensor([ids]), torch.arange(len(ids)))[0, len(prompt) - 1:]
-            packed = linear_module.quantize_int8((reference.lm_head or reference.embed).weight)
-            want = torch.nn.functional.linear(hidden, linear_module.dequantize(packed))
+            want = torch.nn.functional.linear(hidden, linear_module.dequantize(linear_module.quantize_int8(full_weight)))
+            if rescore:
+                top = want.topk(rescore, -1).indices
+                want.scatter_(-1, top, torch.nn.functional.linear(hidden, full_weight).gather(-1, top))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        greedy = generate_all(engine, [prompt], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        tokens = greedy[0].outputs[0].token_ids
+        forced = run_teacher_forced(engine, [prompt], [tokens])[0]
+        assert tokens == forced.argmax(-1).tolist()
 
 
 HELD_OUT_TEXTS = [  # none of it in the built-in calibration text
@@ -132,3 +142,5 @@ def test_quantization_settings_that_cannot_run_are_refused(tiny_models):
     for value, words in (("fp8", "not available for full-precision weights"), ("nf4", "unknown")):
         with pytest.raises(UserError, match=words):
             make_engine(tiny_models("llama"), quantization=value)
+    with pytest.raises(UserError, match="quantized_head_rescore=-1: .* or 0 to turn rescoring off"):
+        make_engine(tiny_models("llama"), quantization="int8", quantized_head_rescore=-1)

@@ -153,6 +153,42 @@ def test_a_head_packed_in_vocabulary_chunks_gives_the_logits_and_their_first_max
     assert linear_module.head_chunk_size() >= 1024 and linear_module.head_chunk_size() % 256 == 0
 
 
+def _near_ties(rows: int, vocab: int, dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A head [vocab, dim] and x [rows, dim] where each row's two best tokens are apart by far less than int8's
+    rounding of them; their full-precision winners."""
+    g = torch.Generator().manual_seed(seed)
+    weight, x = torch.randn(vocab, dim, generator=g), torch.randn(rows, dim, generator=g)
+    winners = []
+    for row in range(rows):
+        first, second = 2 * row + 1, 600 + 2 * row  # in different chunks of 256
+        weight[first] = x[row] * (40 / x[row].norm() ** 2) + torch.randn(dim, generator=g) * 0.3
+        weight[second] = weight[first] + 1e-4 * torch.randn(dim, generator=g)
+        winners.append(first if weight[first] @ x[row] > weight[second] @ x[row] else second)
+    return weight, x, winners
+
+
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_a_quantized_heads_best_logits_are_computed_again_in_full_precision(k):
+    """`rescore` k: each row's k largest int8 logits become the full-precision ones, the others stay int8's, and
+    the greedy choice taken chunk by chunk is the first maximum of those logits; with k >= 2 it is full
+    precision's choice on near ties that int8 alone gets wrong."""
+    weight, x, winners = _near_ties(rows=24, vocab=1000, dim=64, seed=11)
+    head = kernels.pack_head(weight, chunk=256, quantization="int8")
+    with torch.inference_mode():
+        plain = kernels.head_logits(x, head, weight)
+        rescored = kernels.head_logits(x, head, weight, rescore=k)
+        tokens = kernels.head_argmax(x, head, weight, rescore=k)
+    top = plain.topk(k, -1).indices
+    torch.testing.assert_close(rescored.gather(-1, top), F.linear(x, weight).gather(-1, top), rtol=1e-5, atol=1e-5)
+    kept = torch.ones_like(plain, dtype=torch.bool).scatter_(-1, top, False)
+    assert torch.equal(rescored[kept], plain[kept])
+    assert tokens.tolist() == rescored.argmax(-1).tolist()
+    assert plain.argmax(-1).tolist() != winners  # int8 alone swaps some of the near ties
+    if k >= 2:
+        assert tokens.tolist() == winners
+    assert kernels.head_argmax(x, head, weight).tolist() == plain.argmax(-1).tolist()  # rescore 0: int8's
+
+
 def test_a_packed_head_serves_only_the_weight_it_was_packed_from():
     """A step in place or another shape retires the copy; a ZeRO-3 partition (empty storage, whole shape in
     `ds_shape`, its version unchanged) keeps it."""

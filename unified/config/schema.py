@@ -72,6 +72,10 @@ class EngineConfig:
     # the loaded weights; embeddings, norms, routers and the routed experts stay as loaded
     quantization: Optional[str] = None
     quantize_lm_head: bool = False  # with quantization: the LM head too (kept in full precision by default)
+    # With quantize_lm_head: each row's this many best quantized logits are computed again from the full-precision
+    # head, which stays loaded (kernels.rescore_top): the top choice is then full precision's wherever it is among
+    # them, for a few KiB more read per row; 0: off
+    quantized_head_rescore: int = 8
     # With quantization: activation-aware copies (AWQ's per-input scale search; unified/model/calibration.py),
     # calibrated at start on a text: "builtin" (a few hundred tokens that ship with us), a text file of your own
     # domain, or None for plain copies

@@ -70,7 +70,7 @@ class LLMEngine:
             retain_freed_host_memory()  # steps would otherwise fault their activations in afresh
             cpu_ops.cache_host_allocations()  # those above glibc's 32 MiB heap limit too (builds the kernels now)
         model.weight_quantization = self.served_quantization(engine_cfg)
-        model.quantize_head = engine_cfg.quantize_lm_head
+        model.quantize_head, model.head_rescore = engine_cfg.quantize_lm_head, engine_cfg.quantized_head_rescore
         calibrate_for_serving(model, tokenizer, engine_cfg.quantization_calibration)
         if self.packs_weights:
             model.pack_weights()
@@ -121,6 +121,9 @@ class LLMEngine:
     def served_quantization(cfg) -> str | None:
         """The weight-only copies the linears are served as ("int8", "int4"), None for the weights as loaded; a
         clear error for a setting that cannot run."""
+        if cfg.quantized_head_rescore < 0:
+            raise UserError(f"engine.quantized_head_rescore={cfg.quantized_head_rescore}: give a count of logits per "
+                            f"row (8 by default), or 0 to turn rescoring off")
         if cfg.quantization is None or cfg.quantization in QUANTIZATIONS:
             return cfg.quantization
         if cfg.quantization == "fp8":

@@ -45,6 +45,7 @@ def run(cfg) -> None:
     tokenizer = _tokenizer(path)
     if quantized:
         ours.model.weight_quantization, ours.model.quantize_head = quantized, cfg.engine.quantize_lm_head
+        ours.model.head_rescore = cfg.engine.quantized_head_rescore
         calibrate_for_serving(ours.model, tokenizer, cfg.engine.quantization_calibration)
         ours.model.pack_weights()
     reference = reference_model(path, runtime.dtype).to(runtime.device)

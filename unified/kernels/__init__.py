@@ -10,7 +10,8 @@ from unified.kernels.argmax import argmax_merge_, argmax_merge_reference, argmax
 from unified.kernels.cpu_ops import training_path
 from unified.kernels.kv_quant import dequantize_kv, packed_dim, quantize_kv, scale_layout
 from unified.kernels.linear import (QUANTIZATIONS, PackedHead, PackedWeight, dequantize, head_argmax, head_logits,
-                                     linear, pack_head, pack_weight, quantize, takes_inference_path)
+                                     linear, pack_head, pack_weight, quantize, rescore_top,
+                                     serves_quantized, takes_inference_path)
 from unified.kernels.moe import experts as moe_experts, route_topk
 from unified.kernels.paged_attention import (AttentionPlan, paged_attention, paged_decode, plan_paged_attention,
                                              write_kv)
@@ -24,5 +25,5 @@ __all__ = ["add_rms_norm", "apply_rotary", "argmax_merge_", "argmax_merge_refere
            "gated_activation_reference", "head_argmax", "head_logits", "linear", "moe_experts", "norm_rope_",
            "norm_rope_applies", "pack_head", "pack_weight", "packed_dim", "PackedHead", "PackedWeight",
            "paged_attention", "QUANTIZATIONS", "paged_decode", "plan_paged_attention", "quantize", "quantize_kv",
-           "rms_norm", "rms_norm_reference", "route_topk", "scale_layout", "set_backend", "takes_inference_path",
-           "training_path", "write_kv"]
+           "rescore_top", "rms_norm", "rms_norm_reference", "route_topk", "scale_layout", "serves_quantized",
+           "set_backend", "takes_inference_path", "training_path", "write_kv"]

@@ -120,11 +120,16 @@ def takes_inference_path(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and cpu_ops.inference_path() and registry.backend() != "reference")
 
 
+def serves_quantized(packed: PackedWeight | None, weight: torch.Tensor) -> bool:
+    """Whether `linear` multiplies by `packed`'s quantized copy (on any device) rather than by `weight`."""
+    return (packed is not None and packed.quantized and packed.version == weight._version
+            and not torch.compiler.is_compiling() and cpu_ops.inference_path() and registry.backend() != "reference")
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: PackedWeight | None = None) -> torch.Tensor:
     """F.linear: x [..., in] @ weight [out, in].T + bias, through `packed` when it is still the weight's."""
-    if (packed is not None and packed.quantized and packed.version == weight._version
-            and not torch.compiler.is_compiling() and cpu_ops.inference_path() and registry.backend() != "reference"):
+    if serves_quantized(packed, weight):
         return quantized_linear(x, packed, bias)  # any device: the weights the engine was asked to serve quantized
     if torch.compiler.is_compiling() or not takes_inference_path(x, weight):
         return F.linear(x, weight, bias)
@@ -188,6 +193,10 @@ class PackedHead:
     def nbytes(self) -> int:
         return sum(p.nbytes for _, _, p in self.chunks)
 
+    @property
+    def quantized(self) -> bool:
+        return self.chunks[0][2].quantized
+
     def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `linear` would take the inference path for x and the chunks are still `weight`: the same
         shape and no change in place since packing. A ZeRO-3 partition (the storage swapped for an empty one
@@ -234,22 +243,79 @@ def pack_head(weight: torch.Tensor, chunk: int | None = None, quantization: str 
     return PackedHead(tuple(parts), tuple(weight.shape), weight._version) if parts else None
 
 
-def head_logits(x: torch.Tensor, head: PackedHead, weight: torch.Tensor | None = None) -> torch.Tensor:
+def head_logits(x: torch.Tensor, head: PackedHead, weight: torch.Tensor | None = None,
+                rescore: int = 0) -> torch.Tensor:
     """x [..., H] -> the logits [..., V] (the caller checked `head.serves`; `weight`: the head's plain weight,
-    as `_packed_linear` takes it)."""
-    return torch.cat([_packed_linear(x, packed, end - start, None, _rows_of(weight, head, start, end))
-                      for start, end, packed in head.chunks], dim=-1)
+    as `_packed_linear` takes it). `rescore` k > 0 with a quantized head and its plain `weight`: `rescore_top`."""
+    logits = torch.cat([_packed_linear(x, packed, end - start, None, _rows_of(weight, head, start, end))
+                        for start, end, packed in head.chunks], dim=-1)
+    if rescore > 0 and head.quantized and weight is not None and tuple(weight.shape) == head.shape:
+        logits = rescore_top(logits, x, weight, rescore)
+    return logits
 
 
-def head_argmax(x: torch.Tensor, head: PackedHead, weight: torch.Tensor | None = None) -> torch.Tensor:
+def head_argmax(x: torch.Tensor, head: PackedHead, weight: torch.Tensor | None = None,
+                rescore: int = 0) -> torch.Tensor:
     """x [R, H] -> each row's first maximum over the vocabulary, int64 [R], one chunk of logits at a time (the
-    caller checked `head.serves`; `weight` as for `head_logits`)."""
+    caller checked `head.serves`; `weight` and `rescore` as for `head_logits`, whose first maximum this is)."""
+    if rescore > 0 and head.quantized and weight is not None and tuple(weight.shape) == head.shape:
+        return _rescored_argmax(x, head, weight, rescore)
     best = x.new_full(x.shape[:1], float("-inf"))
     index = torch.zeros(x.shape[:1], dtype=torch.long, device=x.device)
     for start, end, packed in head.chunks:
         argmax_merge_(_packed_linear(x, packed, end - start, None, _rows_of(weight, head, start, end)), start, best,
                       index)
     return index
+
+
+def rescore_top(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, k: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A quantized head's logits [..., V] for x [..., H], each row's k largest computed again from the head's
+    full-precision `weight` [V, H] (and `bias`). A weight-only quantized head moves every logit a little, which is
+    enough to swap near-tied tokens; the full-precision weight stays loaded beside the quantized copy, and its k
+    rows per row of x are a few KiB. The top choice is then full precision's wherever its token is among the k,
+    and those k logits (the ones sampling mostly draws from) are full precision's."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    top = rows.topk(min(k, rows.shape[-1]), dim=-1, sorted=False).indices
+    rows.scatter_(-1, top, _exact_logits(x.reshape(-1, x.shape[-1]), top, weight, bias).to(rows.dtype))
+    return rows.view(logits.shape)
+
+
+def _exact_logits(x: torch.Tensor, tokens: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, H], tokens int64 [R, k] -> x[r] . weight[tokens[r, j]] (+ bias), [R, k] in weight's dtype."""
+    exact = torch.bmm(weight[tokens], x.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
+    return exact if bias is None else exact + bias[tokens]
+
+
+def _head_top(x: torch.Tensor, head: PackedHead, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k largest logits of `head` and their tokens, [R, k] each, largest first, one chunk of logits at
+    a time."""
+    values = tokens = None
+    for start, end, packed in head.chunks:
+        chunk_values, chunk_tokens = _packed_linear(x, packed, end - start, None, None).topk(
+            min(k, end - start), dim=-1, sorted=False)
+        chunk_tokens += start
+        if values is not None:
+            chunk_values, chunk_tokens = torch.cat((values, chunk_values), -1), torch.cat((tokens, chunk_tokens), -1)
+            chunk_values, best = chunk_values.topk(min(k, chunk_values.shape[-1]), dim=-1, sorted=False)
+            chunk_tokens = chunk_tokens.gather(-1, best)
+        values, tokens = chunk_values, chunk_tokens
+    values, order = values.sort(-1, descending=True)
+    return values, tokens.gather(-1, order)
+
+
+def _rescored_argmax(x: torch.Tensor, head: PackedHead, weight: torch.Tensor, k: int) -> torch.Tensor:
+    """The first maximum of each row of `head_logits(x, head, weight, k)`, one chunk at a time: the best of the k
+    candidates scored again, unless the best quantized logit left out (the (k+1)-th) is above them all."""
+    values, tokens = _head_top(x, head, k + 1)
+    candidates = tokens[:, :k].sort(-1).values  # ties go to the lowest token, as argmax_rows gives them
+    best, pick = _exact_logits(x, candidates, weight).max(-1)
+    chosen = candidates.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
+    if tokens.shape[1] <= k:
+        return chosen
+    left_value, left_token = values[:, k].to(best.dtype), tokens[:, k]
+    return torch.where((left_value > best) | ((left_value == best) & (left_token < chosen)), left_token, chosen)
 
 
 QUANTIZATIONS = ("int8", "int4")  # the weight-only copies `pack_weight` makes

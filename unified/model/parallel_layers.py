@@ -79,6 +79,10 @@ class PackableLinear:
                 self.packed = kernels.pack_weight(self.weight, self.lora.delta_weight(), self._adapter_versions(),
                                                   quantization, int4_group, smoothing)
 
+    def serves_quantized(self) -> bool:
+        """Whether forward multiplies by a quantized copy of the weight alone (no adapter folded into it)."""
+        return self.lora is None and kernels.serves_quantized(self.packed, self.weight)
+
     def _adapter_versions(self) -> tuple[int, ...]:
         return tuple(p._version for p in self.lora.parameters())
 

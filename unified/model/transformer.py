@@ -121,6 +121,9 @@ class CausalLM(nn.Module):
         # (engine.quantization), the LM head's too with `quantize_head` (engine.quantize_lm_head)
         self.weight_quantization: str | None = None
         self.quantize_head = False
+        # A quantized head's k best logits per row computed again from its full-precision weight (kernels.rescore_top;
+        # engine.quantized_head_rescore); 0: off
+        self.head_rescore = 0
         self.head_smoothing: torch.Tensor | None = None  # a tied head's PackableLinear.input_smoothing
         # Inputs per scale of the int4 checkpoint these weights were loaded from: int4 copies keep its groups,
         # and so its very values (kernels.quantize_int4). None: not from one.
@@ -187,9 +190,12 @@ class CausalLM(nn.Module):
             if self.embed.tp_group.size() > 1:  # backward: sum the ranks' gradients of `hidden`, as ColumnLinear does
                 hidden = copy_to_tensor_model_parallel_region(hidden, group=self.embed.tp_group)
             if self.tied_head_packed is not None and self.tied_head_packed.serves(hidden, self.embed.weight):
-                return kernels.head_logits(hidden, self.tied_head_packed, self.embed.weight)
+                return kernels.head_logits(hidden, self.tied_head_packed, self.embed.weight, self.head_rescore)
             return kernels.linear(hidden, self.embed.weight)
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        if self.head_rescore > 0 and self.lm_head.serves_quantized():
+            logits = kernels.rescore_top(logits, hidden, self.lm_head.weight, self.head_rescore, self.lm_head.bias)
+        return logits
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., V]: every rank (every tensor and pipeline stage) gets the whole vocabulary's logits."""
@@ -202,7 +208,7 @@ class CausalLM(nn.Module):
         head = self.tied_head_packed
         if (head is not None and self.stage.size == 1 and self.embed.tp_group.size() == 1
                 and head.serves(hidden, self.embed.weight)):
-            return kernels.head_argmax(hidden, head, self.embed.weight)
+            return kernels.head_argmax(hidden, head, self.embed.weight, self.head_rescore)
         return kernels.argmax_rows(self.logits(hidden))  # exact in any dtype: no upcast
 
     def scores(self, hidden: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
