@@ -1,5 +1,5 @@
-// Greedy choice over logits (AVX-512 builds), registered as torch.ops.unified_cpu.argmax_rows and
-// argmax_merge_. Reference: unified/kernels/argmax.py (torch's max(-1)).
+// Greedy choice over logits (AVX-512 builds), registered as torch.ops.unified_cpu.argmax_rows, argmax_merge_ and
+// topk_merge_. Reference: unified/kernels/argmax.py (torch's max(-1), a stable sort).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -90,10 +90,49 @@ void argmax_merge_(const at::Tensor& x, int64_t offset, at::Tensor& best, at::Te
   });
 }
 
+// One vocabulary chunk of each row's k largest logits: x [R, C] holds the logits of tokens offset .. offset + C - 1,
+// values [R, K] (float32, largest first) and tokens [R, K] (int64) the k largest of the chunks before it (-inf
+// before the first). A logit enters where it exceeds the smallest kept, after the kept ones it equals, so that
+// chunks taken in vocabulary order keep, among equal logits, the first tokens. One pass compares 16 logits at a
+// time with the smallest kept: past the first few hundred logits of a row, hardly any enter. NaNs never do.
+void topk_merge_(const at::Tensor& x, int64_t offset, at::Tensor& values, at::Tensor& tokens) {
+  check_rows(x, "topk_merge_");
+  const int64_t rows = x.size(0), width = x.size(1), k = values.dim() == 2 ? values.size(1) : 0;
+  TORCH_CHECK(values.scalar_type() == at::kFloat && tokens.scalar_type() == at::kLong && values.is_contiguous() &&
+                  tokens.is_contiguous() && k > 0 && values.size(0) == rows && tokens.sizes() == values.sizes(),
+              "topk_merge_: values float32 [rows, k] and tokens int64 [rows, k] expected");
+  const float* xp = x.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = xp + r * width;
+      float* kept = vp + r * k;
+      int64_t* kept_tokens = tp + r * k;
+      for (int64_t j = 0; j < width; j += kLanes) {
+        const __mmask16 valid = j + kLanes <= width ? static_cast<__mmask16>(0xFFFF)
+                                                    : static_cast<__mmask16>((1u << (width - j)) - 1);
+        const __m512 v = _mm512_maskz_loadu_ps(valid, row + j);
+        unsigned entering = _mm512_mask_cmp_ps_mask(valid, v, _mm512_set1_ps(kept[k - 1]), _CMP_GT_OQ);
+        while (entering != 0) {
+          const int lane = __builtin_ctz(entering);
+          entering &= entering - 1;
+          const float value = row[j + lane];
+          if (!(value > kept[k - 1])) continue;  // an earlier lane raised the bar
+          int64_t p = k - 1;
+          for (; p > 0 && kept[p - 1] < value; --p) kept[p] = kept[p - 1], kept_tokens[p] = kept_tokens[p - 1];
+          kept[p] = value, kept_tokens[p] = offset + j + lane;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(unified_cpu, m) {
   m.def("argmax_rows(Tensor x) -> Tensor", &argmax_rows);
   m.def("argmax_merge_(Tensor x, int offset, Tensor(a!) best, Tensor(b!) index) -> ()", &argmax_merge_);
+  m.def("topk_merge_(Tensor x, int offset, Tensor(a!) values, Tensor(b!) tokens) -> ()", &topk_merge_);
 }
 #endif

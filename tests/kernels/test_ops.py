@@ -8,7 +8,7 @@ import torch
 from unified import kernels  # noqa: F401 (registers the ops)
 
 OPS = ["rms_norm", "add_rms_norm", "silu_and_mul", "norm_rope_", "write_kv_", "paged_attention", "paged_decode",
-       "argmax_rows", "argmax_merge_", "route_topk", "moe_experts"]
+       "argmax_rows", "argmax_merge_", "topk_merge_", "route_topk", "moe_experts"]
 
 
 def _cache(g, blocks=6, block=16, heads=2, dim=32):
@@ -48,6 +48,8 @@ def _samples():
         "argmax_rows": [(torch.randn(3, 50, generator=g),)],
         "argmax_merge_": [(torch.randn(3, 50, generator=g), 100, torch.randn(3, generator=g),
                            torch.zeros(3, dtype=torch.long))],
+        "topk_merge_": [(torch.randn(3, 50, generator=g), 100, torch.randn(3, 4, generator=g).sort(-1, descending=True)[0],
+                         torch.zeros(3, 4, dtype=torch.long))],
         "route_topk": [(torch.randn(5, 8, generator=g), 2, "softmax", None, 1, 1, True, 1.0),
                        (torch.randn(5, 16, generator=g), 4, "sigmoid", torch.rand(16, generator=g), 4, 2, True, 2.5)],
         "moe_experts": [(x, torch.randn(4, 48, 32, generator=g) * 0.1, torch.randn(4, 32, 24, generator=g) * 0.1,

@@ -6,7 +6,8 @@ sources are in the repository's kernels/ folder). Each is also a `torch.ops.unif
 traced code calls.
 """
 from unified.kernels.activation import gated_activation, gated_activation_reference
-from unified.kernels.argmax import argmax_merge_, argmax_merge_reference, argmax_rows, argmax_rows_reference
+from unified.kernels.argmax import (argmax_merge_, argmax_merge_reference, argmax_rows, argmax_rows_reference,
+                                    topk_merge_, topk_merge_reference)
 from unified.kernels.cpu_ops import training_path
 from unified.kernels.kv_quant import dequantize_kv, packed_dim, quantize_kv, scale_layout
 from unified.kernels.linear import (QUANTIZATIONS, PackedHead, PackedWeight, dequantize, head_argmax, head_logits,
@@ -26,4 +27,5 @@ __all__ = ["add_rms_norm", "apply_rotary", "argmax_merge_", "argmax_merge_refere
            "norm_rope_applies", "pack_head", "pack_weight", "packed_dim", "PackedHead", "PackedWeight",
            "paged_attention", "QUANTIZATIONS", "paged_decode", "plan_paged_attention", "quantize", "quantize_kv",
            "rescore_top", "rms_norm", "rms_norm_reference", "route_topk", "scale_layout", "serves_quantized",
-           "set_backend", "takes_inference_path", "training_path", "write_kv"]
+           "set_backend", "takes_inference_path", "topk_merge_", "topk_merge_reference", "training_path",
+           "write_kv"]

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from unified.kernels import cpu_ops, registry
-from unified.kernels.argmax import argmax_merge_
+from unified.kernels.argmax import argmax_merge_, topk_merge_, topk_tokens
 
 _ONEDNN = torch.backends.mkldnn.is_available()
 ONEDNN_PACK_ROWS = 64  # the row count oneDNN tunes its blocked layout for; any row count works with it
@@ -276,7 +276,7 @@ def rescore_top(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, k: 
     rows per row of x are a few KiB. The top choice is then full precision's wherever its token is among the k,
     and those k logits (the ones sampling mostly draws from) are full precision's."""
     rows = logits.reshape(-1, logits.shape[-1])
-    top = rows.topk(min(k, rows.shape[-1]), dim=-1, sorted=False).indices
+    top = topk_tokens(rows, min(k, rows.shape[-1]))
     rows.scatter_(-1, top, _exact_logits(x.reshape(-1, x.shape[-1]), top, weight, bias).to(rows.dtype))
     return rows.view(logits.shape)
 
@@ -284,35 +284,30 @@ def rescore_top(logits: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, k: 
 def _exact_logits(x: torch.Tensor, tokens: torch.Tensor, weight: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [R, H], tokens int64 [R, k] -> x[r] . weight[tokens[r, j]] (+ bias), [R, k] in weight's dtype."""
-    exact = torch.bmm(weight[tokens], x.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
+    rows = weight.index_select(0, tokens.reshape(-1)).view(*tokens.shape, weight.shape[-1])
+    exact = torch.bmm(rows, x.to(weight.dtype).unsqueeze(-1)).squeeze(-1)
     return exact if bias is None else exact + bias[tokens]
 
 
 def _head_top(x: torch.Tensor, head: PackedHead, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's k largest logits of `head` and their tokens, [R, k] each, largest first, one chunk of logits at
-    a time."""
-    values = tokens = None
+    """Each row's k largest logits of `head` and their tokens, [R, k] each, largest first (among equal logits the
+    first tokens), one chunk of logits at a time."""
+    values = x.new_full((x.shape[0], k), float("-inf"))
+    tokens = torch.zeros(values.shape, dtype=torch.long, device=x.device)
     for start, end, packed in head.chunks:
-        chunk_values, chunk_tokens = _packed_linear(x, packed, end - start, None, None).topk(
-            min(k, end - start), dim=-1, sorted=False)
-        chunk_tokens += start
-        if values is not None:
-            chunk_values, chunk_tokens = torch.cat((values, chunk_values), -1), torch.cat((tokens, chunk_tokens), -1)
-            chunk_values, best = chunk_values.topk(min(k, chunk_values.shape[-1]), dim=-1, sorted=False)
-            chunk_tokens = chunk_tokens.gather(-1, best)
-        values, tokens = chunk_values, chunk_tokens
-    values, order = values.sort(-1, descending=True)
-    return values, tokens.gather(-1, order)
+        topk_merge_(_packed_linear(x, packed, end - start, None, None), start, values, tokens)
+    return values, tokens
 
 
 def _rescored_argmax(x: torch.Tensor, head: PackedHead, weight: torch.Tensor, k: int) -> torch.Tensor:
     """The first maximum of each row of `head_logits(x, head, weight, k)`, one chunk at a time: the best of the k
     candidates scored again, unless the best quantized logit left out (the (k+1)-th) is above them all."""
-    values, tokens = _head_top(x, head, k + 1)
+    k = min(k, head.shape[0])
+    values, tokens = _head_top(x, head, min(k + 1, head.shape[0]))
     candidates = tokens[:, :k].sort(-1).values  # ties go to the lowest token, as argmax_rows gives them
     best, pick = _exact_logits(x, candidates, weight).max(-1)
     chosen = candidates.gather(-1, pick.unsqueeze(-1)).squeeze(-1)
-    if tokens.shape[1] <= k:
+    if tokens.shape[1] == k:
         return chosen
     left_value, left_token = values[:, k].to(best.dtype), tokens[:, k]
     return torch.where((left_value > best) | ((left_value == best) & (left_token < chosen)), left_token, chosen)

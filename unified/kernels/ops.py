@@ -12,7 +12,7 @@ import torch
 from torch.library import custom_op
 
 from unified.kernels.activation import gated_activation
-from unified.kernels.argmax import argmax_merge_, argmax_rows
+from unified.kernels.argmax import argmax_merge_, argmax_rows, topk_merge_
 from unified.kernels.moe import experts, route_topk
 from unified.kernels.paged_attention import value_dim, paged_attention, paged_decode, write_kv
 from unified.kernels.rms_norm import add_rms_norm, rms_norm, rms_norm_reference
@@ -127,6 +127,16 @@ def argmax_merge_op(logits: torch.Tensor, offset: int, best: torch.Tensor, index
 
 @argmax_merge_op.register_fake
 def _(logits, offset, best, index):
+    return None
+
+
+@custom_op("unified::topk_merge_", mutates_args=("values", "tokens"))
+def topk_merge_op(logits: torch.Tensor, offset: int, values: torch.Tensor, tokens: torch.Tensor) -> None:
+    topk_merge_(logits, offset, values, tokens)
+
+
+@topk_merge_op.register_fake
+def _(logits, offset, values, tokens):
     return None
 
 
