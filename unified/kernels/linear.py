@@ -197,6 +197,11 @@ class PackedHead:
     def quantized(self) -> bool:
         return self.chunks[0][2].quantized
 
+    def rescores(self, weight: torch.Tensor | None, k: int) -> bool:
+        """Whether `head_logits` / `head_argmax` rescore k logits per row: a quantized head whose full-precision
+        `weight` is at hand (a ZeRO-3 partition's is not)."""
+        return k > 0 and self.quantized and weight is not None and tuple(weight.shape) == self.shape
+
     def serves(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether `linear` would take the inference path for x and the chunks are still `weight`: the same
         shape and no change in place since packing. A ZeRO-3 partition (the storage swapped for an empty one
@@ -249,7 +254,7 @@ def head_logits(x: torch.Tensor, head: PackedHead, weight: torch.Tensor | None =
     as `_packed_linear` takes it). `rescore` k > 0 with a quantized head and its plain `weight`: `rescore_top`."""
     logits = torch.cat([_packed_linear(x, packed, end - start, None, _rows_of(weight, head, start, end))
                         for start, end, packed in head.chunks], dim=-1)
-    if rescore > 0 and head.quantized and weight is not None and tuple(weight.shape) == head.shape:
+    if head.rescores(weight, rescore):
         logits = rescore_top(logits, x, weight, rescore)
     return logits
 
@@ -258,7 +263,7 @@ def head_argmax(x: torch.Tensor, head: PackedHead, weight: torch.Tensor | None =
                 rescore: int = 0) -> torch.Tensor:
     """x [R, H] -> each row's first maximum over the vocabulary, int64 [R], one chunk of logits at a time (the
     caller checked `head.serves`; `weight` and `rescore` as for `head_logits`, whose first maximum this is)."""
-    if rescore > 0 and head.quantized and weight is not None and tuple(weight.shape) == head.shape:
+    if head.rescores(weight, rescore):
         return _rescored_argmax(x, head, weight, rescore)
     best = x.new_full(x.shape[:1], float("-inf"))
     index = torch.zeros(x.shape[:1], dtype=torch.long, device=x.device)
