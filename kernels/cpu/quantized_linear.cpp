@@ -17,7 +17,9 @@
 // weight scale), and 32 weights at a time are widened to int16 and multiplied into int32 sums (vpmaddwd); each
 // block's sums are scaled into float ones at its end. Inputs past the last whole block, and every input with
 // `input_block` = 0, take the float path: 16 weights at a time converted to float32 and scaled in registers.
-// Up to four rows of x share each weight row's conversion.
+// Up to four rows of x share each weight row's conversion. With one row of x (batch-1 decode) a core's time goes
+// as much to ending each weight row (its vector's lanes summed) as to streaming it, so there the rows' vectors
+// are summed sixteen at a time, in the same order as one at a time (a row's output is the same in any batch).
 //
 // `input_scale` [K] (optional): x is multiplied by it, input by input, before anything else. An activation-aware
 // copy (unified/model/calibration.py) quantizes w * s column by column and takes input_scale = 1 / s.
@@ -26,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -165,19 +168,28 @@ void float_dot(const float* x, int64_t from, int64_t k, const typename W::Byte* 
   }
 }
 
-// sums[r] += the whole blocks' share over int16 x (rows r0 .. r0 + Rows - 1 of `xq`), with the same scale
-// convention as float_dot: a block's integer sum times its x scale, times its weight group's scale if Grouped.
-template <typename W, int Rows, bool Grouped>
-void int16_dot(const Int16Input& xq, int64_t r0, const typename W::Byte* q, const float* scale, int64_t group,
-               float* sums) {
-  const int64_t block = xq.block, blocks = xq.blocks;
-  float offset_share[Rows] = {};
+// The whole blocks' share over int16 x (rows r0 .. r0 + Rows - 1 of `xq`), with the same scale convention as
+// float_dot: a block's integer sum times its x scale, times its weight group's scale if Grouped. Left unreduced:
+// acc[r] holds row r's share spread over vector lanes (on AVX-512; else in lane 0), offset_share[r] what the
+// int4 offset takes from it (times kOffset).
 #if defined(CPU_CAPABILITY_AVX512)
-  __m512 acc[Rows];
-  for (auto& a : acc) a = _mm512_setzero_ps();
+using Lanes = __m512;
 #else
-  float acc[Rows] = {};
+using Lanes = float;
 #endif
+
+template <typename W, int Rows, bool Grouped>
+void int16_lanes(const Int16Input& xq, int64_t r0, const typename W::Byte* q, const float* scale, int64_t group,
+                 Lanes* acc, float* offset_share) {
+  const int64_t block = xq.block, blocks = xq.blocks;
+  for (int r = 0; r < Rows; ++r) {
+#if defined(CPU_CAPABILITY_AVX512)
+    acc[r] = _mm512_setzero_ps();
+#else
+    acc[r] = 0.0f;
+#endif
+    offset_share[r] = 0.0f;
+  }
   for (int64_t b = 0; b < blocks; ++b) {
     const int16_t* xs[Rows];
     for (int r = 0; r < Rows; ++r) xs[r] = xq.values.data() + ((r0 + r) * blocks + b) * block;
@@ -205,14 +217,63 @@ void int16_dot(const Int16Input& xq, int64_t r0, const typename W::Byte* q, cons
       if (W::kOffset != 0.0f) offset_share[r] += s * static_cast<float>(xq.sums[(r0 + r) * blocks + b]);
     }
   }
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The sum of v's lanes: halves, then quarters, pairs and single lanes added, the order reduce16 adds each of its
+// vectors in (spelled out, since _mm512_reduce_add_ps leaves the order to the compiler).
+inline float lane_sum(__m512 v) {
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 quarters = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+  const __m128 pairs = _mm_add_ps(quarters, _mm_movehl_ps(quarters, quarters));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
+#endif
+
+// sums[r] += int16_lanes' shares, reduced.
+template <typename W, int Rows, bool Grouped>
+void int16_dot(const Int16Input& xq, int64_t r0, const typename W::Byte* q, const float* scale, int64_t group,
+               float* sums) {
+  Lanes acc[Rows];
+  float offset_share[Rows];
+  int16_lanes<W, Rows, Grouped>(xq, r0, q, scale, group, acc, offset_share);
   for (int r = 0; r < Rows; ++r) {
 #if defined(CPU_CAPABILITY_AVX512)
-    sums[r] += _mm512_reduce_add_ps(acc[r]) - W::kOffset * offset_share[r];
+    sums[r] += lane_sum(acc[r]) - W::kOffset * offset_share[r];
 #else
     sums[r] += acc[r] - W::kOffset * offset_share[r];
 #endif
   }
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// The lane sums of 16 vectors at once: halves, then quarters, then pairs and single lanes of the vectors are added
+// together in a tree, about three instructions per vector where reducing each alone takes ten in a dependent
+// chain. Lane l of the result holds vector kReducedVector[l]'s sum.
+__m512 reduce16(const __m512* v) {
+  __m512 halves[8], quarters[4], pairs[2];
+  for (int i = 0; i < 8; ++i)
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    quarters[i] = _mm512_add_ps(_mm512_shuffle_f32x4(halves[i], halves[i + 4], 0x88),
+                                _mm512_shuffle_f32x4(halves[i], halves[i + 4], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_shuffle_ps(quarters[i], quarters[i + 2], 0x44),
+                             _mm512_shuffle_ps(quarters[i], quarters[i + 2], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88), _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
+}
+
+// Which vector's sum each lane of reduce16's result holds: reduce16 of vectors filled with their own index.
+const std::array<int, 16> kReducedVector = [] {
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = _mm512_set1_ps(static_cast<float>(i));
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, reduce16(v));
+  std::array<int, 16> order{};
+  for (int l = 0; l < 16; ++l) order[l] = static_cast<int>(lanes[l] / 16.0f);
+  return order;
+}();
+#endif
 
 // Calls f with std::integral_constant<int, rows> for rows in 1..kInputRows.
 template <typename F>
@@ -230,7 +291,27 @@ void linear_rows(const float* x, const Int16Input* xq, int64_t rows, int64_t k, 
                  const float* scale, int64_t groups, const float* bias, float* out, int64_t begin, int64_t end) {
   const int64_t row_bytes = k / W::kPerByte, group = k / groups;
   const int64_t float_from = xq ? xq->blocks * xq->block : 0;
-  for (int64_t j = begin; j < end; ++j) {
+  int64_t j = begin;
+#if defined(CPU_CAPABILITY_AVX512)
+  // One row of x (decode at batch 1): each weight row's integer sums end as a vector, and sixteen rows' vectors are
+  // reduced together; the weight rows are still read one after another, in one stream.
+  if (rows == 1 && xq && float_from == k)
+    for (; j + 16 <= end; j += 16) {
+      __m512 acc[16];
+      float offset_share[16];
+      for (int t = 0; t < 16; ++t)
+        int16_lanes<W, 1, Grouped>(*xq, 0, q + (j + t) * row_bytes, scale + (j + t) * groups, group, acc + t,
+                                   offset_share + t);
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, reduce16(acc));
+      for (int l = 0; l < 16; ++l) {
+        const int t = kReducedVector[l];
+        const float sum = lanes[l] - W::kOffset * offset_share[t];
+        out[j + t] = (Grouped ? sum : sum * scale[(j + t) * groups]) + (bias ? bias[j + t] : 0.0f);
+      }
+    }
+#endif
+  for (; j < end; ++j) {
     const auto* wq = q + j * row_bytes;
     const float* ws = scale + j * groups;
     for (int64_t r0 = 0; r0 < rows; r0 += kInputRows)

@@ -217,16 +217,18 @@ def as_the_kernel_reads(x: torch.Tensor, packed, bias: torch.Tensor) -> torch.Te
 
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 16, 40])
+@pytest.mark.parametrize("out_features", [13, 37])
 @pytest.mark.parametrize("in_features,group", [(256, 128), (100, None), (256, None)])
-def test_int8_weight_only_linear_matches_its_reference(rows, in_features, group):
+def test_int8_weight_only_linear_matches_its_reference(rows, in_features, group, out_features):
     """The C++ stream (up to 16 rows in blocks of 4, x read as int16) equals x @ (q * scale).T with x rounded as
     `int16_rounded_input` says, the chunked path beyond it with x as it is: one scale per output feature, or per
-    128 inputs of it (100 inputs: three int16 blocks of 32 and four float ones)."""
+    128 inputs of it (100 inputs: three int16 blocks of 32 and four float ones); 37 outputs take one row of x's
+    two runs of 16 weight rows reduced together and three alone."""
     g = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(13, in_features, generator=g), torch.randn(13, generator=g)
+    weight, bias = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
     packed = linear_module.quantize_int8(weight, group=group)
-    assert packed.tensor.dtype == torch.int8 and packed.scale.shape == (13, 2 if group else 1)
+    assert packed.tensor.dtype == torch.int8 and packed.scale.shape == (out_features, 2 if group else 1)
     error = (linear_module.dequantize(packed) - weight).abs()
     assert (error <= packed.scale.repeat_interleave(in_features // packed.scale.shape[1], 1) / 2 + 1e-6).all()
     with torch.inference_mode():
@@ -236,23 +238,24 @@ def test_int8_weight_only_linear_matches_its_reference(rows, in_features, group)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 16, 40])
+@pytest.mark.parametrize("out_features", [13, 37])
 @pytest.mark.parametrize("in_features,group", [(256, None), (96, None), (100, None), (64, 16)])
-def test_int4_weight_only_linear_matches_its_reference(rows, in_features, group):
+def test_int4_weight_only_linear_matches_its_reference(rows, in_features, group, out_features):
     """As for int8: the C++ stream (x as int16 over groups of 32 inputs or more and over one scale per output
     feature; groups of 16 keep x in float32) and the chunked path equal x @ dequantized.T."""
     g = torch.Generator().manual_seed(rows)
-    weight, bias = torch.randn(13, in_features, generator=g), torch.randn(13, generator=g)
+    weight, bias = torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
     x = torch.randn(rows, in_features, generator=g)
     packed = linear_module.quantize_int4(weight, group=group)
     groups = in_features // (group or linear_module.int4_group(in_features))
-    assert packed.tensor.dtype == torch.uint8 and packed.tensor.shape == (13, in_features // 2)
-    assert packed.scale.shape == (13, groups)
+    assert packed.tensor.dtype == torch.uint8 and packed.tensor.shape == (out_features, in_features // 2)
+    assert packed.scale.shape == (out_features, groups)
     error = (linear_module.dequantize(packed) - weight).abs()
     assert (error <= packed.scale.repeat_interleave(in_features // groups, 1) + 1e-6).all()  # -8 may clamp +8
-    plain = weight.view(13, groups, -1)  # no worse than the plain |w|max -> 7 scale, group by group
+    plain = weight.view(out_features, groups, -1)  # no worse than the plain |w|max -> 7 scale, group by group
     plain_scale = plain.abs().amax(-1, keepdim=True) / 7
     plain_error = (torch.round(plain / plain_scale) * plain_scale - plain).square().sum(-1)
-    assert (error.view(13, groups, -1).square().sum(-1) <= plain_error + 1e-6).all()
+    assert (error.view(out_features, groups, -1).square().sum(-1) <= plain_error + 1e-6).all()
     with torch.inference_mode():
         torch.testing.assert_close(kernels.linear(x, weight, bias, packed), as_the_kernel_reads(x, packed, bias),
                                    rtol=1e-5, atol=1e-5)
