@@ -275,6 +275,92 @@ const std::array<int, 16> kReducedVector = [] {
 }();
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512)
+// x's first 32 * kHeld int16 inputs held in registers (all of them for widths of 512 to 768; none under 512, where
+// the rows are short and other costs weigh more). Loading x again for every weight row is what bounds a core
+// otherwise (two bytes of x for each byte of an int8 weight), well under its memory's speed.
+constexpr int kHeld = 24;
+
+// int16_lanes<W, 1, Grouped> of one weight row with x's first Held vectors of 32 inputs in `held` (the same
+// operations in the same order, so the same result).
+template <typename W, bool Grouped, int Held>
+inline __m512 held_row_lanes(const Int16Input& xq, const __m512i* held, int64_t vectors, const typename W::Byte* row,
+                             const float* row_scale, float* offset_share) {
+  const int64_t per_block = xq.block / 32;
+  __m512 acc = _mm512_setzero_ps();
+  __m512i dots = _mm512_setzero_si512();
+  float offset = 0.0f;
+  int64_t left = per_block, b = 0;
+  const auto block_done = [&] {
+    const float s = (Grouped ? row_scale[b] : 1.0f) * xq.scales[b];
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_set1_ps(s), acc);
+    if (W::kOffset != 0.0f) offset += s * static_cast<float>(xq.sums[b]);
+    dots = _mm512_setzero_si512();
+    left = per_block;
+    ++b;
+  };
+#pragma GCC unroll 32
+  for (int v = 0; v < Held; ++v) {
+    dots = _mm512_add_epi32(dots, _mm512_madd_epi16(W::thirty_two(row, 32 * v), held[v]));
+    if (--left == 0) block_done();
+  }
+  for (int64_t v = Held; v < vectors; ++v) {
+    dots = _mm512_add_epi32(dots, _mm512_madd_epi16(W::thirty_two(row, 32 * v),
+                                                    _mm512_loadu_si512(xq.values.data() + 32 * v)));
+    if (--left == 0) block_done();
+  }
+  *offset_share = offset;
+  return acc;
+}
+
+// Weight rows [begin, end) for one row of x read whole as int16 (decode at batch 1), sixteen at a time: each row's
+// integer sums end as a vector, the sixteen vectors are reduced together (reduce16, in the order each alone
+// would be), and the rows are still read one after another, in one stream. Returns the first row left undone.
+template <typename W, bool Grouped, int Held>
+int64_t held_rows(const Int16Input& xq, int64_t k, const typename W::Byte* q, const float* scale, int64_t groups,
+                  const float* bias, float* out, int64_t begin, int64_t end) {
+  __m512i held[Held > 0 ? Held : 1];
+  for (int v = 0; v < Held; ++v) held[v] = _mm512_loadu_si512(xq.values.data() + 32 * v);
+  const int64_t row_bytes = k / W::kPerByte, vectors = k / 32;
+  int64_t j = begin;
+  for (; j + 16 <= end; j += 16) {
+    __m512 acc[16];
+    float offset_share[16];
+    for (int t = 0; t < 16; ++t)
+      acc[t] = held_row_lanes<W, Grouped, Held>(xq, held, vectors, q + (j + t) * row_bytes, scale + (j + t) * groups,
+                                                offset_share + t);
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, reduce16(acc));
+    for (int l = 0; l < 16; ++l) {
+      const int t = kReducedVector[l];
+      const float sum = lanes[l] - W::kOffset * offset_share[t];
+      out[j + t] = (Grouped ? sum : sum * scale[(j + t) * groups]) + (bias ? bias[j + t] : 0.0f);
+    }
+  }
+  return j;
+}
+
+template <typename W, bool Grouped>
+int64_t one_row_of_x(const Int16Input& xq, int64_t k, const typename W::Byte* q, const float* scale, int64_t groups,
+                     const float* bias, float* out, int64_t begin, int64_t end) {
+  const auto run = [&](auto held) {
+    return held_rows<W, Grouped, decltype(held)::value>(xq, k, q, scale, groups, bias, out, begin, end);
+  };
+  switch (std::min<int64_t>(k / 32, kHeld)) {
+    case 16: return run(std::integral_constant<int, 16>{});
+    case 17: return run(std::integral_constant<int, 17>{});
+    case 18: return run(std::integral_constant<int, 18>{});
+    case 19: return run(std::integral_constant<int, 19>{});
+    case 20: return run(std::integral_constant<int, 20>{});
+    case 21: return run(std::integral_constant<int, 21>{});
+    case 22: return run(std::integral_constant<int, 22>{});
+    case 23: return run(std::integral_constant<int, 23>{});
+    case 24: return run(std::integral_constant<int, kHeld>{});
+    default: return run(std::integral_constant<int, 0>{});  // under 512 inputs
+  }
+}
+#endif
+
 // Calls f with std::integral_constant<int, rows> for rows in 1..kInputRows.
 template <typename F>
 void with_rows(int64_t rows, F&& f) {
@@ -293,23 +379,7 @@ void linear_rows(const float* x, const Int16Input* xq, int64_t rows, int64_t k, 
   const int64_t float_from = xq ? xq->blocks * xq->block : 0;
   int64_t j = begin;
 #if defined(CPU_CAPABILITY_AVX512)
-  // One row of x (decode at batch 1): each weight row's integer sums end as a vector, and sixteen rows' vectors are
-  // reduced together; the weight rows are still read one after another, in one stream.
-  if (rows == 1 && xq && float_from == k)
-    for (; j + 16 <= end; j += 16) {
-      __m512 acc[16];
-      float offset_share[16];
-      for (int t = 0; t < 16; ++t)
-        int16_lanes<W, 1, Grouped>(*xq, 0, q + (j + t) * row_bytes, scale + (j + t) * groups, group, acc + t,
-                                   offset_share + t);
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, reduce16(acc));
-      for (int l = 0; l < 16; ++l) {
-        const int t = kReducedVector[l];
-        const float sum = lanes[l] - W::kOffset * offset_share[t];
-        out[j + t] = (Grouped ? sum : sum * scale[(j + t) * groups]) + (bias ? bias[j + t] : 0.0f);
-      }
-    }
+  if (rows == 1 && xq && float_from == k) j = one_row_of_x<W, Grouped>(*xq, k, q, scale, groups, bias, out, begin, end);
 #endif
   for (; j < end; ++j) {
     const auto* wq = q + j * row_bytes;

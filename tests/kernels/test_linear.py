@@ -218,7 +218,7 @@ def as_the_kernel_reads(x: torch.Tensor, packed, bias: torch.Tensor) -> torch.Te
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 16, 40])
 @pytest.mark.parametrize("out_features", [13, 37])
-@pytest.mark.parametrize("in_features,group", [(256, 128), (100, None), (256, None)])
+@pytest.mark.parametrize("in_features,group", [(256, 128), (100, None), (256, None), (576, None)])
 def test_int8_weight_only_linear_matches_its_reference(rows, in_features, group, out_features):
     """The C++ stream (up to 16 rows in blocks of 4, x read as int16) equals x @ (q * scale).T with x rounded as
     `int16_rounded_input` says, the chunked path beyond it with x as it is: one scale per output feature, or per
@@ -233,13 +233,13 @@ def test_int8_weight_only_linear_matches_its_reference(rows, in_features, group,
     assert (error <= packed.scale.repeat_interleave(in_features // packed.scale.shape[1], 1) / 2 + 1e-6).all()
     with torch.inference_mode():
         torch.testing.assert_close(kernels.linear(x, weight, bias, packed), as_the_kernel_reads(x, packed, bias),
-                                   rtol=1e-5, atol=1e-5)
+                                   rtol=1e-5, atol=1e-5 * max(1, in_features / 256))  # float32 sums' rounding
     assert torch.equal(kernels.linear(x, weight, bias, packed), F.linear(x, weight, bias))  # training: the weight
 
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 16, 40])
 @pytest.mark.parametrize("out_features", [13, 37])
-@pytest.mark.parametrize("in_features,group", [(256, None), (96, None), (100, None), (64, 16)])
+@pytest.mark.parametrize("in_features,group", [(256, None), (96, None), (100, None), (64, 16), (576, None)])
 def test_int4_weight_only_linear_matches_its_reference(rows, in_features, group, out_features):
     """As for int8: the C++ stream (x as int16 over groups of 32 inputs or more and over one scale per output
     feature; groups of 16 keep x in float32) and the chunked path equal x @ dequantized.T."""
@@ -258,19 +258,20 @@ def test_int4_weight_only_linear_matches_its_reference(rows, in_features, group,
     assert (error.view(out_features, groups, -1).square().sum(-1) <= plain_error + 1e-6).all()
     with torch.inference_mode():
         torch.testing.assert_close(kernels.linear(x, weight, bias, packed), as_the_kernel_reads(x, packed, bias),
-                                   rtol=1e-5, atol=1e-5)
+                                   rtol=1e-5, atol=1e-5 * max(1, in_features / 256))  # float32 sums' rounding
     assert torch.equal(kernels.linear(x, weight, bias, packed), F.linear(x, weight, bias))  # training: the weight
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="the C++ CPU kernels are not built")
 @pytest.mark.parametrize("layout", ["int8", "int4"])
-def test_the_int16_input_of_the_quantized_kernels_is_close_to_float_and_the_same_for_any_batch(layout):
+@pytest.mark.parametrize("width", [1536, 576])
+def test_the_int16_input_of_the_quantized_kernels_is_close_to_float_and_the_same_for_any_batch(layout, width):
     """x read as int16, one scale per block of inputs, moves the output by far less than the weights' own
     rounding did; a block of zeros (a padded row) stays exact; a NaN is not rounded away; and a row's output does
     not depend on which other rows share the call, which speculative decoding's verification forward relies on."""
     g = torch.Generator().manual_seed(0)
-    weight = torch.randn(40, 1536, generator=g)
-    x = torch.randn(7, 1536, generator=g) * torch.rand(1, 1536, generator=g) * 4
+    weight = torch.randn(40, width, generator=g)
+    x = torch.randn(7, width, generator=g) * torch.rand(1, width, generator=g) * 4
     x[:, 20] = 300.0  # an outlier feature: only its own block's step grows
     x[3] = 0.0
     packed = (linear_module.quantize_int8 if layout == "int8" else linear_module.quantize_int4)(weight)
@@ -281,7 +282,7 @@ def test_the_int16_input_of_the_quantized_kernels_is_close_to_float_and_the_same
     assert torch.equal(got, alone)
     assert torch.equal(got[3], torch.zeros(40))
     broken_x = x.clone()
-    broken_x[5, 700] = float("nan")  # a broken activation shows in its row, as in float32, and only there
+    broken_x[5, 500] = float("nan")  # a broken activation shows in its row, as in float32, and only there
     with torch.inference_mode():
         broken = linear_module.quantized_linear(broken_x, packed)
     assert broken[5].isnan().all() and torch.equal(broken[:5], got[:5]) and torch.equal(broken[6], got[6])
