@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import random
 import re
 
 import pytest
@@ -14,7 +15,7 @@ from unified.config.schema import EngineConfig, SpeculativeConfig
 from unified.engine.llm_engine import LLMEngine
 from unified.engine.sampling_params import SamplingParams
 from unified.engine.sequence import Sequence
-from unified.engine.speculative import NgramDrafter, Speculator, ngram_proposal
+from unified.engine.speculative import NgramDrafter, NgramIndex, Speculator, ngram_proposal
 from unified.errors import UserError
 
 NGRAM = SpeculativeConfig(method="ngram", num_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -36,6 +37,24 @@ def test_ngram_lookup_takes_the_longest_suffix_and_its_latest_occurrence():
     assert ngram_proposal([4, 5, 6, 4, 5], 2, 3, 4) == [6, 4, 5]
     assert ngram_proposal([1, 2, 3, 4], 1, 3, 4) == []
     assert ngram_proposal([7, 7], 1, 3, 0) == [] and ngram_proposal([7], 1, 3, 4) == []
+
+
+def test_the_ngram_index_proposes_what_a_scan_of_the_whole_sequence_finds():
+    """The drafter's index, extended as tokens are appended (one or several per step), gives `ngram_proposal`'s
+    answer at every length; handed other tokens than it indexed, it starts over."""
+    rng = random.Random(0)
+    for _ in range(60):
+        low = rng.randint(1, 3)
+        high, vocab = rng.randint(low, 5), rng.choice([2, 3, 50])
+        index, ids = NgramIndex(low, high), []
+        for _ in range(rng.randint(1, 60)):
+            ids += [rng.randrange(vocab) for _ in range(rng.choice([1, 1, 3]))]
+            room = rng.randint(0, 5)
+            assert index.proposal(ids, room) == ngram_proposal(ids, low, high, room)
+    index = NgramIndex(1, 3)
+    assert index.proposal([1, 2, 3, 1, 2], 2) == [3, 1]
+    assert index.proposal([5, 2, 3, 5, 2], 2) == [3, 5]  # same length, other tokens
+    assert index.proposal([4, 4], 3) == [4]  # shorter
 
 
 @pytest.mark.parametrize("family,kv", [("llama", "auto"), ("qwen3", "auto"), ("deepseek_v3", "auto"), ("llama", "int8")])
@@ -72,8 +91,8 @@ def test_the_verification_rows_are_the_single_token_decoding_logits(tiny_models,
 
     monkeypatch.setattr(Speculator, "verify", recording)
     # the proposal is what greedy decoding gives next, so every draft is kept and every row is checked
-    monkeypatch.setattr("unified.engine.speculative.ngram_proposal",
-                        lambda ids, lo, hi, k: continuation[len(ids) - len(prompt):][:k])
+    monkeypatch.setattr(NgramDrafter, "propose", lambda self, wanted: [
+        continuation[len(seq.token_ids) - len(prompt):][:room] for seq, room in wanted])
     engine = make_engine(loaded, speculative=NGRAM)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)  # logits, not argmax ids
     out = generate_all(engine, [prompt], params)[0].outputs[0]

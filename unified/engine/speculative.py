@@ -30,6 +30,7 @@ per step (their processing depends on every earlier token, drafts included).
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,7 +71,8 @@ def speculates(params: SamplingParams) -> bool:
 
 def ngram_proposal(token_ids: list[int], min_n: int, max_n: int, num_tokens: int) -> list[int]:
     """Up to `num_tokens` tokens that followed the latest earlier occurrence of the last n tokens (the longest
-    n in [min_n, max_n] that occurs); [] when none does."""
+    n in [min_n, max_n] that occurs); [] when none does. A scan of the whole sequence: the reference `NgramIndex`
+    answers from without one."""
     count = len(token_ids)
     if count <= min_n or num_tokens < 1:
         return []
@@ -82,6 +84,38 @@ def ngram_proposal(token_ids: list[int], min_n: int, max_n: int, num_tokens: int
             start = int(hits[-1]) + n
             return ids[start:start + num_tokens].tolist()
     return []
+
+
+class NgramIndex:
+    """One sequence's n-grams of `min_n` to `max_n` tokens, each mapped to the position after its latest
+    occurrence that has a token after it, kept up to date as tokens are appended (max_n - min_n + 1 dict entries
+    and updates per token).
+    A proposal is then a few lookups at any context length, where a scan of the sequence (`ngram_proposal`, the
+    same answers) costs every step time that grows with the context, which a sequence whose n-grams never match
+    pays for nothing (bench/RESULTS.md)."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.following: dict[tuple[int, ...], int] = {}
+        self.count, self.last = 0, None  # tokens indexed, and the last of them
+
+    def proposal(self, token_ids: list[int], num_tokens: int) -> list[int]:
+        """`ngram_proposal(token_ids, min_n, max_n, num_tokens)` for this sequence's tokens, which only grow."""
+        count = len(token_ids)
+        if self.count > count or (self.count and token_ids[self.count - 1] != self.last):  # other tokens: start over
+            self.following.clear()
+            self.count = 0
+        for i in range(max(self.count, 1), count):  # token i follows the n-grams that end at i - 1
+            for n in range(self.min_n, min(self.max_n, i) + 1):
+                self.following[tuple(token_ids[i - n:i])] = i
+        self.count, self.last = count, token_ids[-1] if count else None
+        if count <= self.min_n or num_tokens < 1:
+            return []
+        for n in range(min(self.max_n, count - 1), self.min_n - 1, -1):
+            start = self.following.get(tuple(token_ids[count - n:]))
+            if start is not None:
+                return token_ids[start:start + num_tokens]
+        return []
 
 
 @dataclass
@@ -137,9 +171,16 @@ class FollowDraftSteps(DrafterCommand):
 class NgramDrafter(Drafter):
     def __init__(self, cfg):
         self.min_n, self.max_n = cfg.prompt_lookup_min, cfg.prompt_lookup_max
+        self._indexes: weakref.WeakKeyDictionary[Sequence, NgramIndex] = weakref.WeakKeyDictionary()
 
     def propose(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
-        return [ngram_proposal(seq.token_ids, self.min_n, self.max_n, room) for seq, room in wanted]
+        drafts = []
+        for seq, room in wanted:
+            index = self._indexes.get(seq)
+            if index is None:
+                index = self._indexes[seq] = NgramIndex(self.min_n, self.max_n)
+            drafts.append(index.proposal(seq.token_ids, room))
+        return drafts
 
 
 class Speculator:
