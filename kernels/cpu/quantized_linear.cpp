@@ -17,9 +17,11 @@
 // weight scale), and 32 weights at a time are widened to int16 and multiplied into int32 sums (vpmaddwd); each
 // block's sums are scaled into float ones at its end. Inputs past the last whole block, and every input with
 // `input_block` = 0, take the float path: 16 weights at a time converted to float32 and scaled in registers.
-// Up to four rows of x share each weight row's conversion. With one row of x (batch-1 decode) a core's time goes
-// as much to ending each weight row (its vector's lanes summed) as to streaming it, so there the rows' vectors
-// are summed sixteen at a time, in the same order as one at a time (a row's output is the same in any batch).
+// Up to four rows of x share each weight row's conversion. With one row of x (batch-1 decode) a core is bound by
+// loading x again for every weight row (two bytes of x for each weight byte) and by ending each row (its vector's
+// lanes summed), well under its memory's speed: there x's first 768 inputs stay in registers for the whole call,
+// and the rows' vectors are summed sixteen at a time, in the order each alone would be (a row's output is the
+// same in any batch).
 //
 // `input_scale` [K] (optional): x is multiplied by it, input by input, before anything else. An activation-aware
 // copy (unified/model/calibration.py) quantizes w * s column by column and takes input_scale = 1 / s.
@@ -168,28 +170,30 @@ void float_dot(const float* x, int64_t from, int64_t k, const typename W::Byte* 
   }
 }
 
-// The whole blocks' share over int16 x (rows r0 .. r0 + Rows - 1 of `xq`), with the same scale convention as
-// float_dot: a block's integer sum times its x scale, times its weight group's scale if Grouped. Left unreduced:
-// acc[r] holds row r's share spread over vector lanes (on AVX-512; else in lane 0), offset_share[r] what the
-// int4 offset takes from it (times kOffset).
 #if defined(CPU_CAPABILITY_AVX512)
-using Lanes = __m512;
-#else
-using Lanes = float;
+// The sum of v's lanes: halves, then quarters, pairs and single lanes added, the order reduce16 adds each of its
+// vectors in (spelled out, since _mm512_reduce_add_ps leaves the order to the compiler).
+inline float lane_sum(__m512 v) {
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m128 quarters = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+  const __m128 pairs = _mm_add_ps(quarters, _mm_movehl_ps(quarters, quarters));
+  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
+}
 #endif
 
+// sums[r] += the whole blocks' share over int16 x (rows r0 .. r0 + Rows - 1 of `xq`), with the same scale
+// convention as float_dot: a block's integer sum times its x scale, times its weight group's scale if Grouped.
 template <typename W, int Rows, bool Grouped>
-void int16_lanes(const Int16Input& xq, int64_t r0, const typename W::Byte* q, const float* scale, int64_t group,
-                 Lanes* acc, float* offset_share) {
+void int16_dot(const Int16Input& xq, int64_t r0, const typename W::Byte* q, const float* scale, int64_t group,
+               float* sums) {
   const int64_t block = xq.block, blocks = xq.blocks;
-  for (int r = 0; r < Rows; ++r) {
+  float offset_share[Rows] = {};
 #if defined(CPU_CAPABILITY_AVX512)
-    acc[r] = _mm512_setzero_ps();
+  __m512 acc[Rows];
+  for (auto& a : acc) a = _mm512_setzero_ps();
 #else
-    acc[r] = 0.0f;
+  float acc[Rows] = {};
 #endif
-    offset_share[r] = 0.0f;
-  }
   for (int64_t b = 0; b < blocks; ++b) {
     const int16_t* xs[Rows];
     for (int r = 0; r < Rows; ++r) xs[r] = xq.values.data() + ((r0 + r) * blocks + b) * block;
@@ -217,26 +221,6 @@ void int16_lanes(const Int16Input& xq, int64_t r0, const typename W::Byte* q, co
       if (W::kOffset != 0.0f) offset_share[r] += s * static_cast<float>(xq.sums[(r0 + r) * blocks + b]);
     }
   }
-}
-
-#if defined(CPU_CAPABILITY_AVX512)
-// The sum of v's lanes: halves, then quarters, pairs and single lanes added, the order reduce16 adds each of its
-// vectors in (spelled out, since _mm512_reduce_add_ps leaves the order to the compiler).
-inline float lane_sum(__m512 v) {
-  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
-  const __m128 quarters = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
-  const __m128 pairs = _mm_add_ps(quarters, _mm_movehl_ps(quarters, quarters));
-  return _mm_cvtss_f32(_mm_add_ss(pairs, _mm_movehdup_ps(pairs)));
-}
-#endif
-
-// sums[r] += int16_lanes' shares, reduced.
-template <typename W, int Rows, bool Grouped>
-void int16_dot(const Int16Input& xq, int64_t r0, const typename W::Byte* q, const float* scale, int64_t group,
-               float* sums) {
-  Lanes acc[Rows];
-  float offset_share[Rows];
-  int16_lanes<W, Rows, Grouped>(xq, r0, q, scale, group, acc, offset_share);
   for (int r = 0; r < Rows; ++r) {
 #if defined(CPU_CAPABILITY_AVX512)
     sums[r] += lane_sum(acc[r]) - W::kOffset * offset_share[r];
@@ -276,13 +260,12 @@ const std::array<int, 16> kReducedVector = [] {
 #endif
 
 #if defined(CPU_CAPABILITY_AVX512)
-// x's first 32 * kHeld int16 inputs held in registers (all of them for widths of 512 to 768; none under 512, where
-// the rows are short and other costs weigh more). Loading x again for every weight row is what bounds a core
-// otherwise (two bytes of x for each byte of an int8 weight), well under its memory's speed.
+// x's first 32 * kHeld int16 inputs held in registers (all of them for widths of 512 to 768; narrower x is read
+// from memory as before: each width held is a compiled copy of the loop).
 constexpr int kHeld = 24;
 
-// int16_lanes<W, 1, Grouped> of one weight row with x's first Held vectors of 32 inputs in `held` (the same
-// operations in the same order, so the same result).
+// One weight row's int16_dot<W, 1, Grouped> before its lanes are summed (the same operations in the same order, so
+// the same result), with x's first Held vectors of 32 inputs in `held`.
 template <typename W, bool Grouped, int Held>
 inline __m512 held_row_lanes(const Int16Input& xq, const __m512i* held, int64_t vectors, const typename W::Byte* row,
                              const float* row_scale, float* offset_share) {
