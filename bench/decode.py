@@ -9,9 +9,11 @@ Modes of our engine (`engine.*` settings): fp32; int8 (`quantization=int8`, head
 lookup then finds), `grounded` (greedy; repeat a given paragraph: SmolLM2 gets real text, the random-weight
 Llama random "paragraph" tokens it has no reason to repeat) and `sampled` (random prompts, temperature 1,
 seeded: the text rarely repeats, the no-match case for ngram; fp32 and ngram only). Decode tokens/s = new tokens after the first over the time they took (a
-run of 128 new tokens minus a run of 1), medians of the rounds; the roofline is each round's read bandwidth
-over the bytes a step reads (the weights as served: int8 / int4 copies at a byte / half a byte per entry plus
-scales, the rest as loaded; KV not counted), times the batch. Quality (SmolLM2): quantized against fp32 logits
+run of 128 new tokens minus a run of 1), medians of the rounds; the roofline is a round's read bandwidth over
+the bytes a step reads (the weights as served: int8 / int4 copies at a byte / half a byte per entry plus scales,
+the rest as loaded; KV not counted), times the batch: the table shows it at the rounds' median bandwidth, and the
+share is the median of each round's tokens/s over that round's own roofline (this host's bandwidth swings 2x
+from one minute to the next). Quality (SmolLM2): quantized against fp32 logits
 on real text (the quality prompts and the four paragraphs, fed one token at a time), int8 + head also without
 its rescoring (`quantized_head_rescore=0`).
 
@@ -265,13 +267,15 @@ def bench_model_shape(name: str, rounds: int, skip_peers: bool) -> None:
     for (mode, workload, batch), got in rates.items():
         median = statistics.median(got)
         roofline = batch * bandwidth / engines[mode].step_bytes()
+        share = statistics.median(rate * engines[mode].step_bytes() / (batch * round_bandwidth)
+                                  for rate, round_bandwidth in zip(got, bandwidths))
         plain = peers.get(("vllm-cpu", workload, batch)) if mode in ("fp32", "ngram") else None
         ngram = peers.get(("vllm-cpu ngram", workload, batch)) if mode == "ngram" else None
         hf_key = {"fp32": workload, "ngram": f"{workload}, prompt lookup" if workload == "grounded" else workload}
         theirs = hf.get(hf_key.get(mode)) if batch == 1 else None
         cells = [f"{v:.1f}" if v else "" for v in (plain, ngram, theirs)]
         print(f"| {mode} | {workload} | {batch} | {median:.1f} ({', '.join(f'{v:.1f}' for v in got)}) | "
-              f"{roofline:.0f} | {median / roofline:.0%} | {' | '.join(cells)} |")
+              f"{roofline:.0f} | {share:.0%} | {' | '.join(cells)} |")
     for workload in workloads:
         fp32, ngram = (statistics.median(rates[m, workload, 1]) for m in ("fp32", "ngram"))
         line = f"{workload}, batch 1: ngram {ngram / fp32:.2f}x fp32"
