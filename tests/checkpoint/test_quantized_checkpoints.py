@@ -3,6 +3,7 @@ weights they encode: our logits equal `transformers` on the same weights dequant
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -11,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from unified.checkpoint import load_model
 from unified.checkpoint.quantized import pack_int32
-from unified.checkpoint.safetensors_io import CheckpointError
+from unified.errors import UserError
 from unified.jobs.parity import compare, reference_model
 
 FP8_MAX = 448.0
@@ -150,9 +151,17 @@ def test_unsupported_or_broken_quantized_checkpoints_are_refused_with_the_tensor
         "misshaped": ({**state, name: q, f"{name}_scale_inv": scale[:1]}, fp8, f"{name}_scale_inv' has shape"),
         "w8a8": ({**state}, {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {
             "g": {"weights": {"num_bits": 8}, "input_activations": {"num_bits": 8}}}}, "quantizes activations"),
+        "nan scale": ({**state, name: q, f"{name}_scale_inv": torch.full_like(scale, float("nan"))}, fp8,
+                      f"{name}_scale_inv' holds NaN or infinite scales"),
+        # int8 values without their scale, or without the config saying how to read them, must not load as weights
+        "no scale": ({**state, name: q.float().to(torch.int8)}, {"quant_method": "compressed-tensors",
+                     "format": "int-quantized", "config_groups": {"g": {"weights": {"num_bits": 8}}}},
+                     f"{name}' (model.safetensors) is stored as torch.int8, a quantized form"),
+        "no config": ({**state, name: q}, None, f"{name}' (model.safetensors) is stored as torch.float8_e4m3fn"),
+        "string config": ({**state}, "fp8", "quantization_config is 'fp8'; it must be an object"),
     }
     for label, (tensors, config, words) in cases.items():
-        with pytest.raises(CheckpointError, match=words.replace("[", r"\[").replace("(", r"\(")):
+        with pytest.raises(UserError, match=re.escape(words)):
             target = tmp_path / label
             _copy_with(source, target, tensors, config)
             load_model(target)

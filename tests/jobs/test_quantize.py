@@ -95,6 +95,40 @@ def test_the_recipe_refuses_what_it_cannot_do(runtime, tiny_checkpoint, tmp_path
         quantize.run(_cfg(tmp_path / "b", tmp_path / "c", "int8"))
     with pytest.raises(UserError, match="not empty"):
         quantize.run(_cfg(source, tmp_path / "b", "int8"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match="is a file"):
+        quantize.run(_cfg(source, tmp_path / "file", "int8"))
+
+
+def test_mixtral_experts_are_quantized_and_a_tied_head_is_left_out_of_the_config(runtime, tiny_checkpoint, tmp_path):
+    quantize.run(_cfg(tiny_checkpoint("mixtral"), tmp_path / "mixtral", "int8"))
+    stored = load_file(tmp_path / "mixtral" / "model.safetensors")
+    experts = [n for n in stored if ".experts." in n and n.endswith(".weight")]
+    assert experts and all(stored[n].dtype == torch.int8 and f"{n}_scale" in stored for n in experts)
+    assert stored["model.layers.0.block_sparse_moe.gate.weight"].dtype == torch.float32  # the router stays
+    # qwen3's head is tied to the embeddings, which are not quantized: the config must not claim the head is
+    quantize.run(_cfg(tiny_checkpoint("qwen3"), tmp_path / "qwen3", "int4", lm_head=True))
+    config = json.loads((tmp_path / "qwen3" / "config.json").read_text())["quantization_config"]
+    assert config["ignore"] == ["lm_head"] and config["config_groups"]["group_0"]["format"] == "pack-quantized"
+
+
+def test_int4_of_a_model_with_an_odd_input_width_is_refused_naming_the_layer(runtime, tiny_checkpoint):
+    loaded = load_model(tiny_checkpoint("llama"))
+    model = loaded.model
+    model.layers["1"].mlp.down_proj.weight = torch.nn.Parameter(torch.zeros(64, 95))
+    model.weight_quantization = "int4"
+    with pytest.raises(UserError, match=r"layers.1.mlp.down_proj has 95 inputs; serve this model with "
+                                        r"engine.quantization=int8"):
+        model.pack_weights()
+
+
+def test_check_parity_of_a_quantized_checkpoint_needs_no_quantization_library(runtime, tiny_checkpoint, tmp_path):
+    """transformers' side runs on the weights our reader dequantizes, with its own name mapping (Qwen3-MoE's
+    experts are fused in transformers' model), so both sides hold the same weights."""
+    quantize.run(_cfg(tiny_checkpoint("qwen3_moe"), tmp_path / "int4", "int4"))
+    result = run_cli("recipe=check_parity", f"model={tmp_path / 'int4'}")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "PASSED" in result.stdout
 
 
 def test_check_parity_reports_the_int8_model_against_its_source(tiny_checkpoint):

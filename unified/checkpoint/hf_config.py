@@ -46,6 +46,10 @@ def hf_config_from_dict(raw: dict, path: Path):
     if model_type not in SUPPORTED:
         raise UnsupportedModelError(f"{path}: model_type {model_type!r} is not implemented natively; "
                                     f"supported: {', '.join(SUPPORTED)}")
+    quantization = raw.get("quantization_config")
+    if quantization is not None and not isinstance(quantization, dict):
+        raise UserError(f"{path}: quantization_config is {quantization!r}; it must be an object such as "
+                        f'{{"quant_method": "fp8", ...}} or {{"quant_method": "compressed-tensors", ...}}')
     raw = {k: v for k, v in raw.items() if k not in ("auto_map",)}
     return CONFIG_MAPPING[CONFIG_CLASS_OF.get(model_type, model_type)].from_dict(raw)
 

@@ -140,9 +140,21 @@ def param_sources(ckpt: SafetensorsCheckpoint, param: Param, shard: Shard) -> li
 
 def assemble(ckpt: SafetensorsCheckpoint, param: Param, shard: Shard) -> torch.Tensor:
     """`shard`'s copy of `param`, read from the HF checkpoint: parts concatenated, rows stacked."""
-    rows = [torch.cat([read_part(ckpt, p) for p in row], dim=param.cat_dim) if len(row) > 1 else read_part(ckpt, row[0])
-            for row in param_sources(ckpt, param, shard)]
+    rows = [torch.cat([_weight_part(ckpt, p) for p in row], dim=param.cat_dim) if len(row) > 1
+            else _weight_part(ckpt, row[0]) for row in param_sources(ckpt, param, shard)]
     return torch.stack(rows) if param.stacked else rows[0]
+
+
+def _weight_part(ckpt: SafetensorsCheckpoint, part: PartSlice) -> torch.Tensor:
+    """`read_part`, refusing a weight still in a quantized form (integers or float8: no quantization_config said
+    how to read it, or its scale is missing), whose values would otherwise be copied as if they were the weights."""
+    tensor = read_part(ckpt, part)
+    if not tensor.is_floating_point() or tensor.element_size() == 1:
+        raise CheckpointError(f"{part.name!r} ({ckpt.file_of(part.name).name}) is stored as {tensor.dtype}, a "
+                              f"quantized form, but nothing in {ckpt.directory} says how to read it: config.json has "
+                              f"no quantization_config for it, or the scale tensor beside it is missing; the "
+                              f"checkpoint is incomplete: re-export it")
+    return tensor
 
 
 def _check_head(path: Path, hf, found: int | None, wanted: int | None) -> None:

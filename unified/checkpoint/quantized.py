@@ -29,6 +29,8 @@ from unified.kernels.linear import quantize_int4, quantize_int8
 
 FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
 PACKED = "pack-quantized"
+# What a quantized weight `X.weight` stores beside its values (`X.weight`, or `X.weight_packed`)
+QUANTIZATION_EXTRAS = (".weight_scale", ".weight_scale_inv", ".weight_shape", ".weight_zero_point")
 UNPACKED = ("int-quantized", "naive-quantized", "float-quantized")
 
 
@@ -125,6 +127,9 @@ class _QuantizedView:
         if tuple(scale.shape) != expected and not (scale.numel() == 1 and math.prod(expected) == 1):
             raise CheckpointError(f"{self.directory}: {name!r} has shape {tuple(scale.shape)}, but {what} needs "
                                   f"{expected}; the checkpoint and its quantization_config disagree")
+        if not torch.isfinite(scale).all():
+            raise CheckpointError(f"{self.directory}: {name!r} holds NaN or infinite scales; the checkpoint is "
+                                  f"corrupt: re-download or re-export it")
         return scale.float().reshape(expected)
 
 
@@ -264,18 +269,20 @@ def _unpack_int32(packed: torch.Tensor, bits: int, shape: tuple[int, ...], name:
 # Writing them (`unified recipe=quantize`) -------------------------------------------------------------------
 
 FP8_BLOCK = 128  # DeepSeek-V3's weight_block_size
+MIXTRAL_EXPERTS = (".w1.weight", ".w2.weight", ".w3.weight")  # Mixtral's experts' projections
 INT4_GROUPS = (128, 64, 32)  # inputs per scale an int4 checkpoint is written with: the largest dividing every width
 
 
 def quantizes(name: str, shape: tuple[int, ...], method: str, lm_head: bool) -> bool:
-    """Whether `recipe=quantize` stores this HF tensor quantized: the text layers' projection weights (fused
-    3-D experts only in FP8, whose blocks cover them; compressed-tensors stores one matrix per module), and
+    """Whether `recipe=quantize` stores this HF tensor quantized: the text layers' projection weights (Mixtral's
+    experts' w1 / w2 / w3 among them; fused 3-D experts only in FP8, whose blocks cover them; compressed-tensors
+    stores one matrix per module), and
     the LM head when asked. Embeddings, norms, routers and vision towers stay as they are."""
     if name == "lm_head.weight":
         return lm_head
     if ".layers." not in name or "visual" in name or "vision" in name:
         return False
-    if name.endswith("_proj.weight") and len(shape) == 2:
+    if len(shape) == 2 and (name.endswith("_proj.weight") or (".experts." in name and name.endswith(MIXTRAL_EXPERTS))):
         return True
     return method == "fp8" and len(shape) == 3 and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
 
@@ -321,10 +328,11 @@ def quantization_config_for(method: str, lm_head: bool, group: int = INT4_GROUPS
         return config if lm_head else {**config, "modules_to_not_convert": ["lm_head"]}
     weights = ({"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"} if method == "int8" else
                {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group})
-    return {"quant_method": "compressed-tensors", "format": "int-quantized" if method == "int8" else PACKED,
+    fmt = "int-quantized" if method == "int8" else PACKED
+    return {"quant_method": "compressed-tensors", "format": fmt,
             "quantization_status": "compressed", "ignore": [] if lm_head else ["lm_head"],
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                          "output_activations": None}}}
+                                          "output_activations": None, "format": fmt}}}
 
 
 def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:

@@ -6,11 +6,15 @@ max absolute difference.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from unified.checkpoint.quantized import QUANTIZATION_EXTRAS, dequantizing, quantization_config
+from unified.checkpoint.safetensors_io import SafetensorsCheckpoint
 
 
 @dataclass
@@ -35,13 +39,29 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def reference_model(path: str | Path, dtype: torch.dtype = torch.float32):
+    """`transformers`' model of the checkpoint; of a quantized one, on the weights it encodes (`_dequantized`)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from unified.checkpoint.hf_config import VISION_LANGUAGE
 
-    vision = AutoConfig.from_pretrained(str(path)).model_type in VISION_LANGUAGE
-    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(str(path))
+    auto = AutoModelForImageTextToText if config.model_type in VISION_LANGUAGE else AutoModelForCausalLM
+    if quantization_config(config) is not None:
+        return _dequantized(auto, config, Path(path), dtype)
     return auto.from_pretrained(str(path), dtype=dtype, attn_implementation="eager").eval()
+
+
+def _dequantized(auto, config, path: Path, dtype: torch.dtype):
+    """The reference of a quantized checkpoint: `transformers`' model of its config without the quantization, given
+    the float weights our reader dequantizes (transformers still maps the names to its modules), so that no
+    quantization library is needed and the comparison is of the two models on the same weights."""
+    ckpt = dequantizing(SafetensorsCheckpoint(path), config)
+    names = {name.removesuffix("_packed") for name in ckpt.ckpt.location if not name.endswith(QUANTIZATION_EXTRAS)}
+    plain = copy.deepcopy(config)
+    del plain.quantization_config
+    model_class = auto._model_mapping[type(plain)]  # the Auto classes need a folder to read
+    return model_class.from_pretrained(None, config=plain, state_dict={name: ckpt.get(name) for name in names}, dtype=dtype,
+                                attn_implementation="eager").eval()
 
 
 def _decoder_layers(hf_model):

@@ -34,10 +34,17 @@ def run(cfg) -> None:
     if not cfg.output:
         raise UserError("recipe=quantize needs output=<folder> for the quantized checkpoint")
     source, target = resolve_model(cfg.model), Path(cfg.output)
+    if target.exists() and not target.is_dir():
+        raise UserError(f"output={target} is a file; give a new folder for the quantized checkpoint")
     if target.exists() and (target.resolve() == source.resolve() or any(target.iterdir())):
         raise UserError(f"output={target} is the source or not empty; choose a new folder")
-    if quantization_config(read_hf_config(source)) is not None:
+    hf = read_hf_config(source)
+    if quantization_config(hf) is not None:
         raise UserError(f"{source} is already quantized (its config.json has a quantization_config)")
+    if lm_head and getattr(hf, "tie_word_embeddings", False):
+        lm_head = False
+        print(f"{source} ties its LM head to the embeddings, which stay in full precision in the file; serve it with "
+              f"engine.quantize_lm_head=true to quantize the engine's copy of the head")
     ckpt = SafetensorsCheckpoint(source)
     names = [n for n in ckpt.location]
     chosen = {n for n in names if quantizes(n, ckpt.shape(n), method, lm_head)}

@@ -87,6 +87,7 @@ def calibrate_for_serving(model, tokenizer, source: str | None) -> None:
     plain copies), where the model is about to be quantized and a tokenizer is there to read the text."""
     if source is None or model.weight_quantization is None:
         return
+    model.check_weight_quantization()  # before a forward that quantizes each linear to search its factors
     if tokenizer is None:
         log.info("no tokenizer: %s copies are plain, not activation-aware", model.weight_quantization)
         return

@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 from torch import nn
 
 from unified import kernels
+from unified.errors import UserError
 from unified.model.attention import GQAttention
 from unified.model.config import ModelConfig
 from unified.model.forward_context import recompute_contexts
@@ -230,6 +231,7 @@ class CausalLM(nn.Module):
     def pack_weights(self) -> None:
         """Attaches packed copies of the matmul weights for inference (kernels.pack_weight); a copy that
         the weights outgrow is ignored, so call again after changing them to get the speed back."""
+        self.check_weight_quantization()
         for module in self.modules():
             if isinstance(module, PackableLinear):
                 module.pack(self.weight_quantization if module is not self.lm_head or self.quantize_head else None,
@@ -239,6 +241,20 @@ class CausalLM(nn.Module):
             self.tied_head_packed = kernels.pack_head(self.embed.weight, quantization=quantization,
                                                       int4_group=self.int4_group,
                                                       smoothing=self.head_smoothing if quantization else None)
+
+    def check_weight_quantization(self) -> None:
+        """A clear error where `weight_quantization` cannot take this model: int4 packs two inputs to a byte, so
+        every linear it quantizes needs an even number of inputs."""
+        if self.weight_quantization != "int4":
+            return
+        packed = {name: module.weight for name, module in self.named_modules()
+                  if isinstance(module, PackableLinear) and (module is not self.lm_head or self.quantize_head)}
+        if self.config.tie_word_embeddings and self.stage.last and self.quantize_head:
+            packed["lm_head (tied to embed)"] = self.embed.weight
+        odd = next(((name, w.shape[-1]) for name, w in packed.items() if w.shape[-1] % 2), None)
+        if odd is not None:
+            raise UserError(f"engine.quantization=int4 packs two inputs to a byte, but {odd[0]} has {odd[1]} inputs; "
+                            f"serve this model with engine.quantization=int8")
 
     def inference_tensors(self) -> list[torch.Tensor]:
         """Every tensor a forward reads: the parameters, the buffers and the copies `pack_weights` made."""
