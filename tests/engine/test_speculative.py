@@ -1,9 +1,11 @@
 """Speculative decoding (n-gram prompt lookup): exact verification, the rejection rule, no leaks."""
 from __future__ import annotations
 
+import json
 import math
 import random
 import re
+import shutil
 
 import pytest
 import torch
@@ -148,6 +150,23 @@ def test_the_rejection_rule_keeps_the_targets_distribution():
     expected.update({(draft[0], b): draws * float(p1[draft[0]] * p2[b]) for b in range(6)})
     stat, df = _chi_square(counts, expected)
     assert stat < _chi_square_bound(df), (stat, df, counts)
+
+
+def test_a_seeded_request_samples_the_same_tokens_whatever_the_batch_and_with_or_without_drafts(tiny_models):
+    """A small token budget trims drafts differently as the batch changes (here its order): each sampled token
+    still takes one number from its sequence's generator, so the output is the plain sampler's. (The tiny
+    model's logits are flat: a low temperature lets its sampled output repeat itself, which drafts need.)"""
+    loaded = tiny_models("llama")
+    prompts = _repetitive_prompts(loaded.config.vocab_size, 6)
+    params = [SamplingParams(temperature=0.02, max_tokens=16, ignore_eos=True, n=2, seed=100 + i)
+              for i in range(len(prompts))]
+    engine = make_engine(loaded, max_num_batched_tokens=16, speculative=NGRAM)
+    tokens = lambda outputs: [[c.token_ids for c in o.outputs] for o in outputs]  # noqa: E731
+    forward = tokens(generate_all(engine, prompts, params))
+    backward = tokens(generate_all(engine, prompts[::-1], params[::-1]))[::-1]
+    assert engine.speculator.stats.num_accepted_tokens > 0
+    plain = tokens(generate_all(make_engine(loaded, max_num_batched_tokens=16), prompts, params))
+    assert forward == backward == plain
 
 
 def test_sampled_output_follows_the_target_model_on_a_small_vocabulary(tmp_path, runtime):
@@ -327,3 +346,27 @@ def test_smollm2_with_a_layer_truncated_draft_gives_the_same_greedy_text(runtime
     assert got.token_ids == plain.token_ids and got.text == plain.text
     assert engine.speculator.stats.num_drafts > 0
     assert_no_block_leaks(engine)
+
+
+def test_the_python_api_refuses_speculation_settings_it_cannot_run_naming_them(runtime, tiny_chat_checkpoint,
+                                                                                tmp_path):
+    from unified.engine import LLM
+
+    model = str(tiny_chat_checkpoint)
+    for speculative, words in (({"method": "ngram", "num_tokens": 2.5}, "engine option speculative.num_tokens"),
+                               ({"method": "ngram", "lookup_max": 3}, "engine option speculative.lookup_max"),
+                               ("ngram", "speculative='ngram': give a dict"),
+                               ({"method": "draft", "draft_model": str(tmp_path / "none")},
+                                "engine.speculative.draft_model=.* is neither a checkpoint folder")):
+        with pytest.raises(UserError, match=words):
+            LLM(model, device="cpu", num_blocks=16, speculative=speculative)
+    # the same vocabulary size, other ids: its proposals would mean other tokens to the target
+    shutil.copytree(tiny_chat_checkpoint, tmp_path / "other_ids")
+    tokenizer = json.loads((tmp_path / "other_ids" / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    first, second = list(vocab)[1000:1002]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (tmp_path / "other_ids" / "tokenizer.json").write_text(json.dumps(tokenizer))
+    with pytest.raises(UserError, match="its tokenizer is not the target model's"):
+        LLM(model, device="cpu", num_blocks=16,
+            speculative={"method": "draft", "draft_model": str(tmp_path / "other_ids")})

@@ -69,14 +69,15 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def resolve_model(model: str) -> Path:
-    """A checkpoint folder for `model`: a path as given, or a built-in model converted on first use."""
+def resolve_model(model: str, key: str = "model") -> Path:
+    """A checkpoint folder for `model`: a path as given, or a built-in model converted on first use (`key`: the
+    setting that named it, for errors)."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    require_weights(model)
+    require_weights(model, key)
     if model not in BUILTIN:
-        raise UserError(f"model={model!r} is neither a checkpoint folder nor a built-in model "
+        raise UserError(f"{key}={model!r} is neither a checkpoint folder nor a built-in model "
                                 f"({', '.join(BUILTIN)}; configurations only, for recipe=plan: "
                                 f"{', '.join(config_only_names())})")
     gguf = _gguf_file(model)

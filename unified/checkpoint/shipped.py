@@ -36,11 +36,12 @@ def is_config_only(model: str) -> bool:
     return not Path(model).expanduser().is_dir() and (SHIPPED_DIR / f"{model}.json").is_file()
 
 
-def require_weights(model: str) -> None:
-    """Raises for a configuration-only name: what a job that is about to read weights calls first."""
+def require_weights(model: str, key: str = "model") -> None:
+    """Raises for a configuration-only name: what a job that is about to read weights calls first (`key`: the
+    setting that named it)."""
     if is_config_only(model):
-        raise UserError(f"model={model} is a configuration without weights (shipped for planning: unified "
-                        f"recipe=plan model={model}); point model= at a checkpoint folder of it to run it")
+        raise UserError(f"{key}={model} is a configuration without weights (shipped for planning: unified "
+                        f"recipe=plan model={model}); point {key}= at a checkpoint folder of it to run it")
 
 
 def hf_config_of(model: str):

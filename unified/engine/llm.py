@@ -5,6 +5,11 @@ tokenizer, engine), which is how the recipes get theirs.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
 from unified.chat import chat_prompt, content_images
 from unified.checkpoint import load_model
 from unified.checkpoint.builtin import resolve_model
@@ -13,6 +18,7 @@ from unified.config.schema import DeviceConfig, EngineConfig, ParallelConfig, Sp
 from unified.engine.llm_engine import LLMEngine
 from unified.engine.outputs import RequestOutput
 from unified.engine.sampling_params import SamplingParams
+from unified.errors import UserError
 from unified.runtime import start_runtime
 
 
@@ -37,16 +43,18 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
     path = resolve_model(model)
     loaded = load_model(path, runtime.device, runtime.dtype, weights_progress,
                         verify_checksums=engine.verify_checksums)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     draft = None
     if engine.speculative.method == "draft" and engine.speculative.draft_model:
-        draft = load_model(resolve_model(engine.speculative.draft_model), runtime.device, runtime.dtype).model
+        draft_path = resolve_model(engine.speculative.draft_model, "engine.speculative.draft_model")
+        _check_same_tokenizer(draft_path, tokenizer)
+        draft = load_model(draft_path, runtime.device, runtime.dtype).model
     elif engine.speculative.method == "mtp":
         draft = load_mtp_layer(path, runtime.device, runtime.dtype)
     if engine.lora_adapter:
         from unified.checkpoint.lora import load_adapter
 
         load_adapter(loaded.model, engine.lora_adapter)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     processor = None
     if loaded.config.vision is not None:
         from unified.vision import processor_for
@@ -56,12 +64,37 @@ def build_engine(model: str, device: DeviceConfig, parallel: ParallelConfig, eng
                      eos_ids(tokenizer, path), processor, draft_model=draft)
 
 
+def _check_same_tokenizer(draft: Path, tokenizer) -> None:
+    """A draft model proposes token ids, which must mean to it what they mean to the target (`tokenizer`)."""
+    from transformers import AutoTokenizer
+
+    try:
+        theirs = AutoTokenizer.from_pretrained(draft)
+    except (OSError, ValueError, TypeError):
+        return  # weights without a tokenizer: the engine compares the vocabulary sizes
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise UserError(f"engine.speculative.draft_model={draft}: its tokenizer is not the target model's; a draft "
+                        f"model must share the target's tokenizer, whose token ids it proposes")
+
+
+def engine_config(options: dict) -> EngineConfig:
+    """`LLM`'s engine options (EngineConfig's fields; `speculative` also as a dict of SpeculativeConfig's), checked
+    as the command line checks them: an unknown key or a value of the wrong type is a UserError naming it."""
+    speculative = options.get("speculative")
+    if speculative is not None and not isinstance(speculative, (dict, SpeculativeConfig)):
+        raise UserError(f"speculative={speculative!r}: give a dict of engine.speculative's settings, such as "
+                        f"{{'method': 'ngram', 'num_tokens': 4}}")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(EngineConfig), options))
+    except OmegaConfBaseException as err:
+        key = f"engine option {err.full_key}" if getattr(err, "full_key", None) else "the engine options"
+        raise UserError(f"{key}: {str(err).splitlines()[0]}") from err
+
+
 class LLM:
     def __init__(self, model: str = "smollm2", device: str = "auto", dtype: str = "auto", seed: int = 0,
                  **engine_options):
-        if isinstance(engine_options.get("speculative"), dict):  # LLM(..., speculative={"method": "ngram"})
-            engine_options["speculative"] = SpeculativeConfig(**engine_options["speculative"])
-        self._use(build_engine(model, DeviceConfig(device, dtype), ParallelConfig(), EngineConfig(**engine_options),
+        self._use(build_engine(model, DeviceConfig(device, dtype), ParallelConfig(), engine_config(engine_options),
                                seed))
 
     @classmethod

@@ -10,8 +10,11 @@ others). The k + 1 rows of logits then decide how many drafts stand:
 - sampled sequences use the rejection rule (Leviathan et al.; vLLM's rejection sampler): draft d at a
   position where the target's distribution is p and the proposer's q is kept with probability
   min(1, p(d) / q(d)); the first rejected position draws from max(0, p - q) normalised, and when all are
-  kept a bonus token is drawn from the next row. The output is distributed exactly as the target's. An
-  n-gram proposal is a point mass (q(d) = 1): keep with probability p(d), else draw from p without d.
+  kept a bonus token is drawn from the next row. The output is distributed exactly as the target's. Every
+  proposal here is a point mass (q(d) = 1): keep with probability p(d), else draw from p without d, which is
+  drawing each position's token from p as plain sampling does and keeping on while it equals the draft. Done
+  so, each token takes one number from the sequence's generator, with or without a draft at its position, so a
+  seeded request's output does not depend on the batch (which decides how many drafts a step verifies).
 
 The K/V written for rejected drafts lie beyond the sequence's computed tokens: the next step overwrites
 them, and blocks held only for them go back to the pool (prefix-cache hashes cover computed tokens only).
@@ -22,7 +25,7 @@ smaller model with the same vocabulary continues each sequence greedily; it runs
 the target's ranks, split as the target is, whose prefix cache keeps each sequence's context between steps,
 so a step's drafts cost the new tokens' prefill and `num_tokens - 1` decodes of the small model) and `mtp`
 (the checkpoint's own multi-token prediction layer, unified/engine/mtp.py). Every proposal is a point mass (a
-greedy choice), so the rule above is exact for each.
+greedy choice), so the rule above is exact for each; a drafter that sampled would need the general rule.
 
 Sequences with repetition, presence or frequency penalties, or processed-mode logprobs, decode one token
 per step (their processing depends on every earlier token, drafts included).
@@ -38,7 +41,7 @@ import torch
 
 from unified.config.schema import EngineConfig
 from unified.engine.mtp import MTPDrafter
-from unified.engine.sampler import _choose, _draw, _filter, _log_probs, _logprob_entry
+from unified.engine.sampler import _choose, _log_probs, _logprob_entry
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.engine.sequence import Sequence
 from unified.errors import UserError
@@ -227,24 +230,18 @@ class Speculator:
         return tokens, entries
 
     def _rejection_sample(self, seq: Sequence, draft: list[int], rows: torch.Tensor) -> list[int]:
+        """The rejection rule for a draft that is a point mass q at each drafted token, as every drafter's is (they
+        propose their greedy continuations): accepting with min(1, p/q) = p(draft), else drawing from the
+        normalised max(0, p - q) = p without the draft, is drawing the position's token from p and keeping on
+        while it equals the draft. So each token drawn here is the plain sampler's (`_choose`), taking one number
+        from the sequence's generator, as without speculation: a seeded request's tokens do not depend on how
+        many drafts a step had room to verify, which the rest of the batch decides."""
         tokens = []
-        generator = seq.generator(rows.device)
-        for i, proposed in enumerate(draft):
-            scaled = _filter(rows[i], seq)
-            if not torch.isfinite(scaled.max()):  # nan, or no finite logit: the plain sampler's handling
-                return tokens + [_choose(rows[i], seq)[0]]
-            p = (scaled - scaled.max()).softmax(-1)
-            u = torch.rand((), dtype=torch.float64, generator=generator, device=rows.device)
-            if u < p[proposed]:
-                tokens.append(proposed)
-                continue
-            rest = scaled.clone()
-            rest[proposed] = float("-inf")  # max(0, p - q) for a point mass q at the draft
-            return tokens + [int(_draw((rest - rest.max()).unsqueeze(0), [seq])[0])]
-        scaled = _filter(rows[len(draft)], seq)
-        if not torch.isfinite(scaled.max()):
-            return tokens + [_choose(rows[len(draft)], seq)[0]]
-        return tokens + [int(_draw((scaled - scaled.max()).unsqueeze(0), [seq])[0])]
+        for i in range(len(draft) + 1):
+            tokens.append(_choose(rows[i], seq)[0])
+            if i == len(draft) or tokens[-1] != draft[i]:
+                return tokens
+        return tokens
 
     def log_progress(self, final: bool = False) -> None:
         """The mean acceptance length in the log, every thousand drafts (and at the end, `final`)."""
