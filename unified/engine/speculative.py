@@ -237,11 +237,11 @@ class Speculator:
         from the sequence's generator, as without speculation: a seeded request's tokens do not depend on how
         many drafts a step had room to verify, which the rest of the batch decides."""
         tokens = []
-        for i in range(len(draft) + 1):
+        for i, proposed in enumerate(draft):
             tokens.append(_choose(rows[i], seq)[0])
-            if i == len(draft) or tokens[-1] != draft[i]:
+            if tokens[-1] != proposed:
                 return tokens
-        return tokens
+        return tokens + [_choose(rows[len(draft)], seq)[0]]
 
     def log_progress(self, final: bool = False) -> None:
         """The mean acceptance length in the log, every thousand drafts (and at the end, `final`)."""
