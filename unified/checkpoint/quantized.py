@@ -30,7 +30,7 @@ from unified.kernels.linear import quantize_int4, quantize_int8
 FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn}
 PACKED = "pack-quantized"
 # What a quantized weight `X.weight` stores beside its values (`X.weight`, or `X.weight_packed`)
-QUANTIZATION_EXTRAS = (".weight_scale", ".weight_scale_inv", ".weight_shape", ".weight_zero_point")
+_EXTRAS = (".weight_scale", ".weight_scale_inv", ".weight_shape", ".weight_zero_point")
 UNPACKED = ("int-quantized", "naive-quantized", "float-quantized")
 
 
@@ -100,6 +100,12 @@ class _QuantizedView:
 
     def has(self, name: str) -> bool:
         return self.ckpt.has(name) or self._quantized(name)
+
+    def names(self) -> list[str]:
+        """The tensors by the names they read under: a quantized weight's stored parts (values, scales, shape, zero
+        points) as the one weight they encode."""
+        return sorted({name.removesuffix("_packed") for name in self.ckpt.location
+                       if not name.endswith(_EXTRAS)})
 
     def file_of(self, name: str):
         return self.ckpt.file_of(self._stored_name(name))

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from unified.checkpoint.quantized import QUANTIZATION_EXTRAS, dequantizing, quantization_config
+from unified.checkpoint.quantized import dequantizing, quantization_config
 from unified.checkpoint.safetensors_io import SafetensorsCheckpoint
 
 
@@ -56,12 +56,12 @@ def _dequantized(auto, config, path: Path, dtype: torch.dtype):
     the float weights our reader dequantizes (transformers still maps the names to its modules), so that no
     quantization library is needed and the comparison is of the two models on the same weights."""
     ckpt = dequantizing(SafetensorsCheckpoint(path), config)
-    names = {name.removesuffix("_packed") for name in ckpt.ckpt.location if not name.endswith(QUANTIZATION_EXTRAS)}
     plain = copy.deepcopy(config)
     del plain.quantization_config
     model_class = auto._model_mapping[type(plain)]  # the Auto classes need a folder to read
-    return model_class.from_pretrained(None, config=plain, state_dict={name: ckpt.get(name) for name in names}, dtype=dtype,
-                                attn_implementation="eager").eval()
+    weights = {name: ckpt.get(name) for name in ckpt.names()}
+    return model_class.from_pretrained(None, config=plain, state_dict=weights, dtype=dtype,
+                                       attn_implementation="eager").eval()
 
 
 def _decoder_layers(hf_model):
