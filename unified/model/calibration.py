@@ -24,7 +24,6 @@ import torch
 
 from unified import kernels
 from unified.errors import UserError
-from unified.model.parallel_layers import PackableLinear
 from unified.runtime.comm import collective
 
 log = logging.getLogger(__name__)
@@ -103,8 +102,7 @@ def calibrate(model, token_ids: list[int]) -> None:
         return  # copies of a quantized checkpoint's weights keep the values it stored (kernels.quantize_int4)
     start = time.perf_counter()
     head = model.lm_head
-    linears = [m for m in model.modules()
-               if isinstance(m, PackableLinear) and (m is not head or model.quantize_head)]
+    linears = [module for _, module in model.quantized_linears()]
 
     def search(module, args) -> None:
         if module.weight.dim() == 2 and module.weight.shape[1] == args[0].shape[-1]:  # not a ZeRO-3 partition

@@ -242,13 +242,17 @@ class CausalLM(nn.Module):
                                                       int4_group=self.int4_group,
                                                       smoothing=self.head_smoothing if quantization else None)
 
+    def quantized_linears(self) -> list[tuple[str, PackableLinear]]:
+        """The linears `pack_weights` quantizes (with `weight_quantization`): all, the LM head with `quantize_head`."""
+        return [(name, module) for name, module in self.named_modules()
+                if isinstance(module, PackableLinear) and (module is not self.lm_head or self.quantize_head)]
+
     def check_weight_quantization(self) -> None:
         """A clear error where `weight_quantization` cannot take this model: int4 packs two inputs to a byte, so
         every linear it quantizes needs an even number of inputs."""
         if self.weight_quantization != "int4":
             return
-        packed = {name: module.weight for name, module in self.named_modules()
-                  if isinstance(module, PackableLinear) and (module is not self.lm_head or self.quantize_head)}
+        packed = {name: module.weight for name, module in self.quantized_linears()}
         if self.config.tie_word_embeddings and self.stage.last and self.quantize_head:
             packed["lm_head (tied to embed)"] = self.embed.weight
         odd = next(((name, w.shape[-1]) for name, w in packed.items() if w.shape[-1] % 2), None)
