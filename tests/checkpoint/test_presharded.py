@@ -189,6 +189,31 @@ def test_a_truncated_or_missing_shard_is_named(single):
         load_model(folder)
 
 
+@pytest.mark.parametrize("damage", ["dtype", "shape", "layout", "digests", "param"])
+def test_a_manifest_edited_by_hand_is_refused_naming_what_is_wrong(single, damage):
+    folder, _ = single
+    manifest = json.loads((folder / MANIFEST).read_text())
+    shard = manifest["shards"][0]
+    name = "layers.1.attn.o_proj.weight"
+    expected = {"dtype": rf"'{name}' .* spans \d+ bytes, but BF16", "shape": rf"'{name}' .* is stored as F32 \[",
+                "layout": "'layout' must give tensor, pipeline and expert", "digests": rf"'{name}' .* has no checksum",
+                "param": rf"holds no {name}"}[damage]
+    if damage == "dtype":
+        shard["tensors"][name]["dtype"] = "BF16"
+    elif damage == "shape":
+        shard["tensors"][name]["shape"].reverse()
+    elif damage == "layout":
+        del manifest["layout"]
+    elif damage == "digests":
+        for key in ("sha256", "xxh3_128"):
+            del shard["tensors"][name][key]
+    else:
+        del shard["params"][name]
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=expected):
+        load_model(folder)
+
+
 def test_an_impossible_layout_is_refused_before_anything_is_written(tiny_checkpoint, tmp_path):
     with pytest.raises(LayoutError, match="tensor parallel 3 does not divide the 4 attention heads"):
         convert_to_presharded(tiny_checkpoint("deepseek_v3"), tmp_path / "out", Layout(tensor=3), **QUIET)

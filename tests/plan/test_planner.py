@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from tests.conftest import run_cli
 from unified.errors import UserError
 from unified.plan import load_hardware, plan_for
-from unified.plan.hardware import hardware_names, measure_host_reserve
+from unified.plan.hardware import HARDWARE_DIR, hardware_names, measure_host_reserve
 from unified.plan.training import training_state_bytes
 
 
@@ -43,6 +43,36 @@ def test_training_refusal_suggests_memory_savers_that_fit(run_config):
     assert not plan.fits and "train.activation_checkpointing=true" in plan.fixes
     for fix in plan.fixes:
         assert plan_for(OmegaConf.merge(cfg, OmegaConf.from_dotlist(fix.split())), small).requested.fits, fix
+
+
+def test_a_card_count_only_data_parallel_uses_fits_and_silly_values_are_refused(run_config, tiny_checkpoint):
+    """On 3 cards the tiny DeepSeek-V3's 8 experts, 4 heads and 2 layers split no further: replicas serve."""
+    plan = plan_for(run_config(f"model={tiny_checkpoint('deepseek_v3')}", "plan.hardware=h200", "plan.cards=3"))
+    assert plan.requested.fits and plan.fits and not plan.fixes
+    assert any(p.layout == plan.requested.layout for p in plan.feasible)
+    for override, message in (("plan.context=-5", "plan.context=-5: give a positive"),
+                              ("plan.context=0", "plan.context=0: give a positive"),
+                              ("plan.cards=1000000000000", "plan for 1 to 16384 cards")):
+        with pytest.raises(UserError, match=message):
+            plan_for(run_config(override))
+
+
+def test_a_kv_budget_too_small_for_one_sequence_gets_the_budget_that_holds_one(run_config):
+    cfg = run_config("engine.kv_cache_bytes=1000", "plan.context=2048")
+    plan = plan_for(cfg)
+    assert not plan.fits and plan.requested.short == 0
+    fix = next(f for f in plan.fixes if f.startswith("engine.kv_cache_bytes="))
+    fixed = plan_for(OmegaConf.merge(cfg, OmegaConf.from_dotlist([fix]))).requested
+    assert fixed.fits and fixed.sequences == 1
+
+
+def test_the_fewest_cards_need_not_be_a_doubling(run_config):
+    plan = plan_for(run_config("model=deepseek-v3", "plan.hardware=h100", "plan.cards=8", "plan.context=4096"))
+    more = next(f for f in plan.fixes if f.startswith("plan.cards="))
+    cards = int(more.split()[0].removeprefix("plan.cards="))
+    assert cards % 8 == 0 and cards & (cards - 1)  # whole nodes, not a power of two
+    assert not plan_for(run_config("model=deepseek-v3", "plan.hardware=h100", f"plan.cards={cards - 8}",
+                                   "plan.context=4096")).fits
 
 
 def test_zero_stages_divide_what_they_partition():
@@ -82,6 +112,9 @@ def test_hardware_files_load_and_cpu_is_read_from_this_machine(tmp_path):
         load_hardware(str(bad))
     with pytest.raises(UserError, match="h100"):
         load_hardware("no-such-card")
+    bad.write_text((HARDWARE_DIR / "h100.yaml").read_text().replace("cards_per_node: 8", "cards_per_node: 0"))
+    with pytest.raises(UserError, match="cards_per_node=0; give a positive number"):
+        load_hardware(str(bad))
 
 
 def test_the_host_reserve_is_measured_on_this_machine():

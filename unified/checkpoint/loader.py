@@ -200,6 +200,10 @@ def load_model(path: str | Path, device: str | torch.device = "cpu", dtype: torc
             filled = _fill_from_hf(source, in_checkpoint_layout(parameter_map(config), config, source.has), targets,
                                    path, progress)
     unfilled = [n for n in dict(model.named_parameters()) if n not in filled]
+    if unfilled and isinstance(source, RankFile):
+        raise CheckpointError(f"{source.path} holds no {', '.join(unfilled[:3])}{' ...' if len(unfilled) > 3 else ''} "
+                              f"(manifest.json), which the model built from {path / 'config.json'} has; the folder is "
+                              f"incomplete: convert again")
     assert not unfilled, f"parameters not covered by the HF name map: {unfilled}"
     model.int4_group = stored_int4_group(hf)
     stored = source.quantization if isinstance(source, RankFile) else quantization_config(hf)

@@ -58,7 +58,27 @@ def read_manifest(directory: Path) -> dict:
     if manifest["version"] > VERSION:
         raise CheckpointError(f"{path} has format version {manifest['version']}; this code reads up to {VERSION}: "
                               f"update unified, or convert the HF checkpoint again with this version")
+    _check_fields(path, manifest)
     return manifest
+
+
+def _check_fields(path: Path, manifest: dict) -> None:
+    """The manifest's own structure (each shard's records are checked against its file by presharded_loader)."""
+    def broken(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {what}; the manifest was edited or damaged: copy it again from where the "
+                               f"folder was converted, or convert again (recipe=convert)")
+
+    layout = manifest.get("layout")
+    if not isinstance(layout, dict) or set(layout) != {"tensor", "pipeline", "expert"} or not all(
+            isinstance(v, int) and v >= 1 for v in layout.values()):
+        raise broken(f"'layout' must give tensor, pipeline and expert as positive integers (got {layout!r})")
+    shards = manifest.get("shards")
+    if not isinstance(shards, list) or not all(isinstance(e, dict) and {"file", "bytes", "params", "tensors"} <= set(e)
+                                               for e in shards):
+        raise broken("'shards' must list each file with its file, bytes, params and tensors")
+    source = manifest.get("source")
+    if not isinstance(source, dict) or not isinstance(source.get("files"), dict) or "index" not in source:
+        raise broken("'source' must record the HF files (files, index)")
 
 
 def manifest_layout(manifest: dict) -> Layout:

@@ -25,6 +25,7 @@ from unified.checkpoint.hf_names import Param, parameter_map
 from unified.checkpoint.hf_vision_names import in_checkpoint_layout
 from unified.checkpoint.loader import SIDECAR_FILES, PartSlice, Shard, assemble, param_sources
 from unified.checkpoint.manifest import UNMAPPED, read_manifest, shard_file, write_manifest
+from unified.checkpoint.output import check_new_folder
 from unified.checkpoint.presharded_loader import RankFile
 from unified.checkpoint.quantized import (int4_group, quantization_config, quantization_config_for, quantize_tensor,
                                           quantizes)
@@ -92,11 +93,6 @@ def _plan(ckpt: SafetensorsCheckpoint, config, layout: Layout) -> dict[tuple[int
     return plan
 
 
-def _check_output(source: Path, target: Path) -> None:
-    if target.exists() and (target.resolve() == source.resolve() or any(target.iterdir())):
-        raise UserError(f"output={target} is the source or not empty; choose a new folder")
-
-
 def _copy_sidecars(source: Path, target: Path) -> None:
     for name in ("config.json", *SIDECAR_FILES):
         if (source / name).is_file():
@@ -117,7 +113,7 @@ def convert_to_presharded(source: Path, target: Path, layout: Layout, quantizati
                           quantize_lm_head: bool = False, log=print) -> dict:
     """Writes `target` (see manifest.py) from the HF checkpoint in `source`; returns the manifest."""
     source, target = Path(source), Path(target)
-    _check_output(source, target)
+    check_new_folder(target, source)
     hf = read_hf_config(source)
     if quantization_config(hf) is not None:
         raise UserError(f"{source} is already quantized (its config.json has a quantization_config); convert its "
@@ -186,7 +182,7 @@ def convert_to_hf(source: Path, target: Path, log=print) -> int:
     """Writes the HF checkpoint that the pre-sharded folder `source` was converted from into `target` (for a
     folder converted with quantization, the dequantized weights in the source's dtypes). Returns the tensor count."""
     source, target = Path(source), Path(target)
-    _check_output(source, target)
+    check_new_folder(target, source)
     manifest = read_manifest(source)
     quantization = manifest.get("quantization")
     pieces: dict[str, list[tuple]] = {}

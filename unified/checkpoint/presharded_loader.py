@@ -68,6 +68,7 @@ class RankFile:
         if size != entry["bytes"]:
             raise CheckpointError(f"shard {self.path} has {size} bytes but the manifest says {entry['bytes']}: it is "
                                   f"truncated or was overwritten; copy it again, or convert again (recipe=convert)")
+        _check_records(self.path, entry, size, verify)
         with self.path.open("rb") as f:  # private, copy-on-write: torch wants writable buffers, nothing writes
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         self._bytes = memoryview(self._map) if size else memoryview(b"")
@@ -152,6 +153,38 @@ class RankFile:
             begin, end = -(-begin // PAGE) * PAGE, end // PAGE * PAGE
             if end > begin:
                 self._map.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+
+def _check_records(path: Path, entry: dict, size: int, verify: bool) -> None:
+    """Every tensor record of `entry` describes bytes inside the file that fit its dtype and shape, and every
+    parameter names stored tensors (one of its own name and shape where it is stored as is): a manifest edited by
+    hand must not load reinterpreted bytes."""
+    def broken(name: str, what: str) -> CheckpointError:
+        return CheckpointError(f"{path.parent / 'manifest.json'}: tensor {name!r} of {path.name} {what}; the manifest "
+                               f"was edited or damaged: copy it again, or convert again (recipe=convert)")
+
+    for name, record in entry["tensors"].items():
+        dtype, shape, offsets = record.get("dtype"), record.get("shape"), record.get("offsets")
+        if dtype not in DTYPES:
+            raise broken(name, f"has dtype {dtype!r}, not one of {', '.join(DTYPES)}")
+        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise broken(name, f"has shape {shape!r}, not a list of sizes")
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(n, int) for n in offsets)
+                or not 0 <= offsets[0] <= offsets[1] <= size):
+            raise broken(name, f"has offsets {offsets!r}, not a byte range inside the file's {size} bytes")
+        expected = math.prod(shape) * DTYPES[dtype].itemsize
+        if offsets[1] - offsets[0] != expected:
+            raise broken(name, f"spans {offsets[1] - offsets[0]} bytes, but {dtype} of shape {shape} takes {expected}")
+        if verify and "sha256" not in record and "xxh3_128" not in record:
+            raise broken(name, "has no checksum (sha256 or xxh3_128); load with checksums off only if you trust it")
+    for name, param in entry["params"].items():
+        stored = param.get("stored")
+        if not isinstance(stored, list) or not stored or any(s not in entry["tensors"] for s in stored):
+            raise broken(name, f"is stored as {stored!r}, which the file's tensors do not all hold")
+        record = entry["tensors"][name] if stored == [name] else None
+        if record is not None and (record["shape"], record["dtype"]) != (param.get("shape"), param.get("dtype")):
+            raise broken(name, f"is stored as {record['dtype']} {record['shape']} but recorded as the parameter "
+                               f"{param.get('dtype')} {param.get('shape')}")
 
 
 def open_rank_file(directory: Path, layout: Layout, verify: bool) -> RankFile:

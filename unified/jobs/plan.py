@@ -6,11 +6,16 @@ every pipeline stage built on the meta device with its bytes beside the plan's. 
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+from unified.errors import UserError
 from unified.plan import check_against_plan, plan_for, render, write_plan
 from unified.plan.report import gib
 
 
 def run(cfg) -> None:
+    if cfg.output and Path(cfg.output).exists() and not Path(cfg.output).is_dir():
+        raise UserError(f"output={cfg.output} is a file; give a folder for plan.json")
     plan = plan_for(cfg)
     print(render(plan))
     shown = plan.requested if not plan.requested.problems or not plan.feasible else plan.feasible[0]

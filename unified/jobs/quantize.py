@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from unified.checkpoint.builtin import resolve_model
 from unified.checkpoint.hf_config import read_hf_config
 from unified.checkpoint.loader import SIDECAR_FILES
+from unified.checkpoint.output import check_new_folder
 from unified.checkpoint.quantized import (int4_group, quantization_config, quantization_config_for, quantize_tensor,
                                           quantizes)
 from unified.checkpoint.safetensors_io import INDEX, SafetensorsCheckpoint
@@ -34,10 +35,7 @@ def run(cfg) -> None:
     if not cfg.output:
         raise UserError("recipe=quantize needs output=<folder> for the quantized checkpoint")
     source, target = resolve_model(cfg.model), Path(cfg.output)
-    if target.exists() and not target.is_dir():
-        raise UserError(f"output={target} is a file; give a new folder for the quantized checkpoint")
-    if target.exists() and (target.resolve() == source.resolve() or any(target.iterdir())):
-        raise UserError(f"output={target} is the source or not empty; choose a new folder")
+    check_new_folder(target, source)
     hf = read_hf_config(source)
     if quantization_config(hf) is not None:
         raise UserError(f"{source} is already quantized (its config.json has a quantization_config)")

@@ -65,6 +65,11 @@ def load_hardware(spec: str, measure_reserve: bool = True) -> HardwareConfig:
         raise UserError(f"{path}: {err}".replace("\n", " ")) from err
     if hardware.kind not in ("gpu", "cpu"):
         raise UserError(f"{path}: kind={hardware.kind!r}; choose gpu or cpu")
+    for key in ("memory_bytes", "bandwidth_bytes_s", "bf16_flops", "fp8_flops", "fp32_flops", "interconnect_bytes_s",
+                "network_bytes_s", "cards_per_node", "reserve_bytes", "cores"):
+        value = getattr(hardware, key)
+        if value is not None and (value < 0 or (value == 0 and key not in ("memory_bytes", "reserve_bytes", "cores"))):
+            raise UserError(f"{path}: {key}={value}; give a positive number")
     if hardware.kind == "cpu":
         hardware = replace(hardware, memory_bytes=hardware.memory_bytes or available_host_memory(),
                            cores=hardware.cores or os.cpu_count())

@@ -24,6 +24,7 @@ from unified.runtime.layout import Layout, layout_problems
 
 KV_DTYPES = ("auto", "int8", "int4")
 MODES = ("serve", "train")
+MAX_CARDS = 16384
 
 
 @dataclass
@@ -78,7 +79,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return bool(self.feasible)
+        return self.requested.fits or bool(self.feasible)
 
     @property
     def breakdown(self) -> dict[str, int]:
@@ -90,8 +91,8 @@ def setting_for(cfg, hardware: HardwareConfig, context: int | None = None) -> Se
     p = cfg.plan
     if p.mode not in MODES:
         raise UserError(f"plan.mode={p.mode!r}; choose serve or train")
-    if p.cards < 1:
-        raise UserError(f"plan.cards={p.cards}: plan for at least one card")
+    if not 1 <= p.cards <= MAX_CARDS:
+        raise UserError(f"plan.cards={p.cards}: plan for 1 to {MAX_CARDS} cards")
     dtype_name = cfg.device.dtype if cfg.device.dtype != "auto" else (
         "float32" if hardware.kind == "cpu" else "bfloat16")
     if dtype_name not in DTYPES:
@@ -111,6 +112,10 @@ def setting_for(cfg, hardware: HardwareConfig, context: int | None = None) -> Se
 
 
 def default_context(cfg, config: ModelConfig) -> int:
+    """plan.context, else the run's own: train.seq_len (train), engine.max_model_len or the model's maximum."""
+    for key, value in (("plan.context", cfg.plan.context), ("engine.max_model_len", cfg.engine.max_model_len)):
+        if value is not None and value < 1:
+            raise UserError(f"{key}={value}: give a positive number of tokens, or leave it unset (null)")
     if cfg.plan.context:
         return cfg.plan.context
     if cfg.plan.mode == "train":
@@ -154,8 +159,8 @@ def _bytes_of(s: Setting):
     return bytes_of
 
 
-def candidates(cards: int, mode: str, kv_dtype: str) -> list[tuple[Layout, str]]:
-    sizes = [n for n in range(1, cards + 1) if cards % n == 0]
+def candidates(cards: int, mode: str, kv_dtype: str, moe: bool) -> list[tuple[Layout, str]]:
+    sizes = divisors(cards)
     out = []
     for tp in sizes:
         for pp in sizes:
@@ -166,16 +171,23 @@ def candidates(cards: int, mode: str, kv_dtype: str) -> list[tuple[Layout, str]]
                 if pp == 1:
                     out.append((Layout(tp, 1, 1), "-"))
                 continue
-            for kv in KV_DTYPES:
-                out.append((Layout(tp, pp, dp), kv))
+            # a dense model's data-parallel ranks repeat its weights; a MoE's may split the experts, or some of them
+            for ep in (divisors(dp) if moe else [1]):
+                out += [(Layout(tp, pp, ep), kv) for kv in KV_DTYPES]
     if mode == "serve":
         out = sorted(out, key=lambda c: c[1] != kv_dtype)  # the requested KV dtype first among equals
     return out
 
 
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
 def search(config: ModelConfig, cards: int, s: Setting, hw: HardwareConfig, kv_dtype: str,
            skip: LayoutPlan | None = None) -> list[LayoutPlan]:
-    plans = [evaluate(config, layout, kv, cards, s, hw) for layout, kv in candidates(cards, s.mode, kv_dtype)
+    plans = [evaluate(config, layout, kv, cards, s, hw)
+             for layout, kv in candidates(cards, s.mode, kv_dtype, config.moe is not None)
              if skip is None or (layout, kv) != (skip.layout, skip.kv_cache_dtype)]
     feasible = [p for p in plans if p.fits]
     return sorted(feasible, key=lambda p: (-p.tokens_per_s, p.peak))

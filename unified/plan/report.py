@@ -31,6 +31,9 @@ def render(plan: Plan) -> str:
     lines = [f"plan: model={plan.model} ({family}, {total_parameters(plan):,} parameters) on "
              f"{plan.cards} x {hw.name} ({gib(s.budget)} GiB per rank), {plan.mode}, context {plan.context} "
              f"tokens, {str(s.dtype).removeprefix('torch.')} compute, weights {s.weights}"]
+    if plan.context > plan.config.max_position_embeddings:
+        lines.append(f"note: a context of {plan.context:,} tokens is beyond this model's "
+                     f"{plan.config.max_position_embeddings:,} (max_position_embeddings in its config)")
     middle = "KV GiB" if plan.mode == "serve" else "state GiB"
     seqs = "seqs" if plan.mode == "serve" else "rows"
     header = (f" tp  pp  ep    kv  weights {middle:>8}   act GiB  per rank  headroom {seqs:>5} {'tokens/s':>10}")
@@ -52,10 +55,12 @@ def render(plan: Plan) -> str:
                      f"\nfeasible layouts on {plan.cards} cards, fastest first (training tokens/s):")
         lines.append(header)
         lines += [_row(p, plan.mode) for p in plan.feasible]
-    else:
+    elif not plan.fits:
         lines.append(f"\nno layout fits on {plan.cards} x {hw.name}.")
     if plan.fixes:
         lines.append("\nnearest fixes (each checked by the planner), paste as overrides:")
+        if hw.kind == "cpu" and any(fix.startswith("plan.hardware=") for fix in plan.fixes):
+            lines.append("  (no layout of this machine holds it: on accelerators)")
         lines += [f"  {fix}" for fix in plan.fixes]
     return "\n".join(lines)
 
@@ -63,8 +68,14 @@ def render(plan: Plan) -> str:
 def _missing(plan: Plan, p: LayoutPlan) -> str:
     if p.short:
         return f"the fullest rank needs {gib(p.peak)} GiB, {p.short:,} bytes ({gib(p.short)} GiB) more than its card"
-    return (f"the KV cache holds {p.kv_tokens} tokens, less than one sequence of {plan.context} "
-            f"(engine.kv_cache_memory_fraction={plan.setting.engine.kv_cache_memory_fraction} of what is free)")
+    engine = plan.setting.engine
+    if engine.num_blocks:
+        budget = f"engine.num_blocks={engine.num_blocks}"
+    elif engine.kv_cache_bytes:
+        budget = f"engine.kv_cache_bytes={engine.kv_cache_bytes}"
+    else:
+        budget = f"engine.kv_cache_memory_fraction={engine.kv_cache_memory_fraction} of what is free"
+    return f"the KV cache holds {p.kv_tokens} tokens, less than one sequence of {plan.context} ({budget})"
 
 
 def total_parameters(plan: Plan) -> int:
