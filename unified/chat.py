@@ -3,6 +3,8 @@ model's own chat template, content parts flattened to text with one marker per i
 conversation in order."""
 from __future__ import annotations
 
+from jinja2 import TemplateError
+
 from unified.errors import InvalidRequest
 
 
@@ -15,7 +17,10 @@ def chat_prompt(tokenizer, messages: list[dict], image_marker: str | None = None
     messages = [{**m, "content": flatten_content(m["content"], image_marker)} for m in messages]
     if not tokenizer.chat_template:
         return tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    try:
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True)
+    except (TemplateError, ValueError, TypeError) as err:  # the model's own template refused the conversation
+        raise InvalidRequest(f"the model's chat template rejected these messages: {err}") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 

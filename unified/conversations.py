@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from unified.errors import UserError
+from unified.jsonl import jsonl_lines
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ def scan(path: Path, repair: bool = False) -> tuple[list[dict], list[str]]:
         if repair:
             os.truncate(path, complete)
     records, bad = [], []
-    for number, line in enumerate(data[:complete].decode("utf-8", errors="replace").splitlines(), start=1):
+    for number, line in enumerate(jsonl_lines(data[:complete].decode("utf-8", errors="replace")), start=1):
         if not line.strip():
             continue
         try:

@@ -7,7 +7,7 @@ ENGINE = ("device=cpu", "engine.num_blocks=64")
 
 
 def _lines(path):
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return [json.loads(line) for line in path.read_text().split("\n") if line]
 
 
 def test_batch_resumes_and_skips_bad_lines(tmp_path, smollm2_checkpoint):
@@ -19,6 +19,10 @@ def test_batch_resumes_and_skips_bad_lines(tmp_path, smollm2_checkpoint):
         json.dumps({"prompt": "One, two, three,", "max_tokens": 4}),
         json.dumps({"id": "bad-option", "prompt": "hi", "beam_width": 3}),
         json.dumps({"id": "two", "prompt": "Colors:", "max_tokens": 3, "n": 2, "temperature": 0.8, "seed": 1}),
+        json.dumps({"id": "role", "messages": [{"role": 5, "content": "x"}]}),  # the chat template raises
+        json.dumps({"id": "bools", "prompt": [True, False]}),
+        json.dumps({"id": "separator", "prompt": "one\u2028two\u0085three", "max_tokens": 2}, ensure_ascii=False),
+        "oops",
     ]) + "\n")
     # A previous run that crashed after one result and in the middle of writing a second.
     target.write_text(json.dumps({"id": "line-3", "text": " four", "finish_reason": "length"}) + "\n{\"id\": \"fra")
@@ -27,20 +31,28 @@ def test_batch_resumes_and_skips_bad_lines(tmp_path, smollm2_checkpoint):
     assert result.returncode == 0, result.stderr
     assert f"{source}:2: skipped: not valid JSON" in result.stderr
     assert f"{source}:4: skipped: unknown sampling option(s) beam_width" in result.stderr
+    assert f"{source}:6: skipped: the model's chat template rejected these messages" in result.stderr
+    assert f"{source}:7: skipped: a line needs 'messages'" in result.stderr
+    assert f"{source}:9: skipped: not valid JSON" in result.stderr  # U+2028 and U+0085 inside line 8 split nothing
     records = {r["id"]: r for r in _lines(target)}
-    assert sorted(records) == ["france", "line-3", "two"]
+    assert sorted(records) == ["france", "line-3", "separator", "two"]
     assert records["line-3"]["text"] == " four"  # kept from the first run, not redone
     assert "Paris" in records["france"]["text"]
     assert len(records["two"]["outputs"]) == 2 and records["two"]["usage"]["completion_tokens"] == 6
 
     again = run_cli("recipe=batch", f"input={source}", f"output={target}", *ENGINE)
-    assert again.returncode == 0 and "3 already done" in again.stdout
-    assert len(_lines(target)) == 3
+    assert again.returncode == 0 and "4 already done" in again.stdout
+    assert len(_lines(target)) == 4
 
 
-def test_batch_without_input_says_how_to_call_it():
+def test_batch_without_input_says_how_to_call_it(tmp_path):
     result = run_cli("recipe=batch", "device=cpu")
     assert result.returncode == 2 and "input= and output=" in result.stderr
+    (tmp_path / "in.jsonl").write_text("{}\n")
+    result = run_cli("recipe=batch", "device=cpu", f"input={tmp_path / 'in.jsonl'}", f"output={tmp_path}")
+    assert result.returncode == 2 and f"output={tmp_path} is a folder" in result.stderr
+    result = run_cli("recipe=batch", "device=cpu", f"input={tmp_path}", f"output={tmp_path / 'out.jsonl'}")
+    assert result.returncode == 2 and f"input={tmp_path} is a folder" in result.stderr
 
 
 def test_batch_with_images(tmp_path, tiny_vl_chat_checkpoint):

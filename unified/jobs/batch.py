@@ -21,6 +21,7 @@ from unified.engine.llm import LLM
 from unified.engine.outputs import RequestOutput
 from unified.engine.sampling_params import InvalidRequest, SamplingParams
 from unified.errors import UserError
+from unified.jsonl import jsonl_lines
 
 REQUEST_KEYS = ("id", "messages", "prompt")
 
@@ -69,7 +70,7 @@ def _parse(line: str, lineno: int, tokenizer, image_marker: str | None,
         images = [_resolve(image, folder) for image in content_images(item["messages"])]
     elif isinstance(item.get("prompt"), str):
         ids = tokenizer(item["prompt"])["input_ids"]
-    elif isinstance(item.get("prompt"), list) and all(isinstance(t, int) for t in item["prompt"]):
+    elif isinstance(item.get("prompt"), list) and all(type(t) is int for t in item["prompt"]):  # not bools
         ids = item["prompt"]
     else:
         raise InvalidRequest("a line needs 'messages' (a non-empty list) or 'prompt' (a string or token ids)")
@@ -107,7 +108,9 @@ def run(cfg) -> None:
         raise UserError("batch needs input= and output=: unified recipe=batch input=prompts.jsonl output=out.jsonl")
     source, target = Path(cfg.input), Path(cfg.output)
     if not source.is_file():
-        raise UserError(f"input={source} does not exist")
+        raise UserError(f"input={source} {'is a folder' if source.is_dir() else 'does not exist'}; give a .jsonl file")
+    if target.is_dir():
+        raise UserError(f"output={target} is a folder; give the .jsonl file to write the results to")
     with LLM.from_run_config(cfg) as llm:  # other ranks follow the driver's steps inside this call
         _run_batch(llm, source, target, 4 * cfg.engine.max_num_seqs)
 
@@ -116,7 +119,7 @@ def _run_batch(llm, source: Path, target: Path, in_flight_cap: int) -> None:
     from tqdm import tqdm
 
     done = _completed_ids(target)
-    lines = source.read_text().splitlines()
+    lines = jsonl_lines(source.read_text())
     engine = llm.engine
     marker = engine.image_processor.prompt_marker if engine.image_processor else None
     pending = iter(enumerate(lines, start=1))

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from unified.errors import UserError
+from unified.jsonl import jsonl_lines
 from unified.rlhf.rewards import extract_answer
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
@@ -26,7 +27,7 @@ def read_prompts(path: str | Path) -> list[dict]:
     except OSError as err:
         raise UserError(f"cannot read the prompts in data={path}: {err.strerror or err}") from None
     prompts = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(jsonl_lines(text), start=1):
         if not line.strip():
             continue
         try:

@@ -19,7 +19,6 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
 
 from unified.chat import chat_prompt
 from unified.conversations import conversation_record
@@ -60,8 +59,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         raise APIError(str(err), param="tools" if "template" in str(err) else "messages") from None
     try:
         prompt = chat_prompt(tokenizer, messages, processor.prompt_marker if processor else None, tools)
-    except (TemplateError, ValueError, TypeError) as err:  # the model's own template refused the conversation
-        raise APIError(f"the model's chat template rejected these messages: {err}", param="messages") from None
+    except InvalidRequest as err:
+        raise APIError(str(err), param="messages") from None
     images = await decode_images(refs)
     fmt = ChatFormat(body, server.model_name, parses_tool_calls=bool(tools) and body.tool_choice != "none")
     on_finish = None

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from unified.errors import UserError
+from unified.jsonl import jsonl_lines
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def _read_heldout(path: str | Path) -> list[list[dict]]:
     from unified.train.data import BadLine, check_messages
 
     conversations = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    for lineno, line in enumerate(jsonl_lines(Path(path).read_text()), start=1):
         if not line.strip():
             continue
         try:
