@@ -76,6 +76,10 @@ def test_bad_protocol_use_is_refused_and_the_weights_stay(rollout):
     assert httpx.post(url + "/destroy_weights_update_group", json={}).status_code == 400
 
     group = _join(url)  # a trainer that declares a wrong shape, then one that never sends
+    twice = httpx.post(url + "/init_weights_update_group", json={
+        "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+        "backend": "gloo"})
+    assert twice.status_code == 400 and "exists already" in twice.json()["message"]  # and the group still works:
     thread, result = _post_in_background(url + "/update_weights_from_distributed", {
         "names": [q, "model.layers.0.mlp.nonsense.weight"], "dtypes": ["float32", "float32"],
         "shapes": [[64, 65], [3]]})
@@ -91,6 +95,14 @@ def test_bad_protocol_use_is_refused_and_the_weights_stay(rollout):
     assert silent.status_code == 400 and "stopped sending" in silent.json()["message"], silent.text
     assert "no weight update group" in httpx.post(url + "/destroy_weights_update_group", json={}).json()["message"]
     torch.distributed.destroy_process_group(group)
+    # sizes the server cannot know: nothing is received, the group goes, the trainer is told
+    for body, reason in (({"names": [q], "dtypes": ["fp33"], "shapes": [[64, 64]]}, "dtype 'fp33' is not a torch"),
+                         ({"names": [q, q], "dtypes": ["fp32"], "shapes": [[64, 64]]}, "lists of one length")):
+        group = _join(url)
+        unknown = httpx.post(url + "/update_weights_from_distributed", json=body, timeout=60)
+        assert unknown.status_code == 400 and reason in unknown.json()["message"], unknown.text
+        assert "nothing was received" in unknown.json()["message"]
+        torch.distributed.destroy_process_group(group)
     assert _greedy(rollout)["choices"][0]["logprobs"]["token_logprobs"] == before
     assert httpx.post(url + "/reset_prefix_cache").json()["success"]
 
@@ -176,15 +188,31 @@ def test_sleep_gives_the_kv_cache_back_and_waking_serves_alike(tiny_chat_checkpo
         assert dropped >= 0.8 * freed, f"resident memory fell by {dropped} bytes of a {freed}-byte KV cache"
         assert httpx.get(url + "/is_sleeping").json() == {"is_sleeping": True}
         assert httpx.get(url + "/health").json()["sleeping"] is True
+        assert httpx.post(url + "/sleep?level=2").status_code == 409  # deeper needs a wake-up first
         refused = httpx.post(url + "/v1/completions", json={"model": server.model_name, "prompt": PROMPT})
         assert refused.status_code == 503 and "POST /wake_up" in refused.text
         assert httpx.post(url + "/wake_up").json()["success"]
         assert _greedy(server)["choices"][0] == original
 
         assert "weight_bytes" in httpx.post(url + "/sleep?level=2").json()["freed"]
+        assert "already asleep at level 2" in httpx.post(url + "/sleep?level=2").json()["message"]
         refused = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tiny_chat_checkpoint)})
         assert refused.status_code == 400 and "wake the engine up first" in refused.json()["message"]
+        norm = ["model.norm.weight"], ["float32"], [[json.loads((tiny_chat_checkpoint / "config.json").read_text())
+                                                    ["hidden_size"]]]
+        group = _join(url)  # asleep: the update is taken in full (the trainer does not hang), then refused
+        thread, result = _post_in_background(url + "/update_weights_from_distributed",
+                                             dict(zip(("names", "dtypes", "shapes"), norm)))
+        torch.distributed.broadcast(torch.ones(norm[2][0]), group_src=0, group=group)
+        thread.join()
+        assert result[0][0] == 400 and "wake the engine up first" in result[0][1]["message"], result
         assert "send the weights" in httpx.post(url + "/wake_up").json()["message"]
+        thread, result = _post_in_background(url + "/update_weights_from_distributed",  # one tensor of many
+                                             dict(zip(("names", "dtypes", "shapes"), norm)))
+        torch.distributed.broadcast(torch.ones(norm[2][0]), group_src=0, group=group)
+        thread.join()
+        assert result[0][0] == 200, result
+        torch.distributed.destroy_process_group(group)
         refused = httpx.post(url + "/v1/completions", json={"model": server.model_name, "prompt": PROMPT})
         assert refused.status_code == 503 and "no weights" in refused.text
         restored = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(tiny_chat_checkpoint)},
@@ -205,10 +233,14 @@ def test_sleep_lets_requests_in_flight_run_out_their_time_then_ends_them(tiny_ch
         while not result and server.metric("unified_num_requests_running") == 0:
             time.sleep(0.02)  # until the engine runs it
         assert httpx.post(url + "/sleep").status_code == 401
-        asleep = httpx.post(url + "/sleep", timeout=60, headers=key).json()
+        sleeper, asleep = _post_in_background(url + "/sleep", {}, key)
+        while not httpx.get(url + "/is_sleeping", headers=key).json()["is_sleeping"]:
+            time.sleep(0.02)
+        woken = httpx.post(url + "/wake_up", headers=key, timeout=60).json()  # while /sleep waits: comes after it
+        sleeper.join()
         thread.join()
-        assert asleep["success"], asleep
+        assert asleep[0][1]["success"] and woken["message"] == "awake", (asleep, woken)
         status, answer = result[0]
         assert status == 503 and "went to sleep" in answer["error"]["message"], answer
-        assert httpx.post(url + "/wake_up", headers=key).json()["success"]
+        assert httpx.get(url + "/is_sleeping", headers=key).json() == {"is_sleeping": False}
         assert _greedy(server, key)["choices"][0]["finish_reason"] == "length"

@@ -22,9 +22,14 @@ from unified.checkpoint.hf_names import Param, parameter_map
 from unified.checkpoint.loader import FullTensors, _ep_rank_size, _read_part, _tp_rank_size, part_sizes
 
 
+SHORT_DTYPE_NAMES = {"fp32": torch.float32, "f32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                     "f16": torch.float16, "fp64": torch.float64, "f64": torch.float64}
+
+
 def parse_dtype(name: str) -> torch.dtype | None:
-    """"float32" or "torch.float32" -> torch.float32; None for anything that is not a torch dtype."""
-    found = getattr(torch, str(name).removeprefix("torch."), None)
+    """"float32", "torch.float32", "float" or "fp32" -> torch.float32; None for anything that is not a dtype."""
+    name = str(name).removeprefix("torch.")
+    found = SHORT_DTYPE_NAMES.get(name.lower(), getattr(torch, name, None))
     return found if isinstance(found, torch.dtype) else None
 
 

@@ -206,6 +206,7 @@ class LLMEngine:
             if failed:
                 raise WeightMismatch(f"the served weights were kept: {'; '.join(failed)}")
         copy_weights(self.model, staged)
+        self.link.weights_missing = False
         self.weights_changed()
 
     def repack_weights(self) -> None:
@@ -231,7 +232,6 @@ class LLMEngine:
         straight into the weights may not tell them they are stale) and new ones come before the next step,
         which the driver takes only after the caller has its answer; no prefix stays cached with the old
         weights."""
-        self.link.weights_missing = False
         if self.packs_weights:
             self.model.unpack_weights()
             self._pack_pending = True

@@ -41,8 +41,14 @@ def drop_weights(model: torch.nn.Module) -> tuple[dict[str, torch.Size], int]:
 
 
 def restore_weights(model: torch.nn.Module, shapes: dict[str, torch.Size]) -> None:
+    """Gives every parameter its storage back, filled with NaN until an update writes it (`weights_missing`)."""
     for name, p in model.named_parameters():
-        p.data = torch.zeros(shapes[name], dtype=p.dtype, device=p.device)
+        p.data = torch.full(shapes[name], float("nan"), dtype=p.dtype, device=p.device)
+
+
+def weights_missing(model: torch.nn.Module) -> bool:
+    """Whether a parameter restored by `restore_weights` still holds values no update has written."""
+    return any(p.is_floating_point() and bool(torch.isnan(p).any()) for p in model.parameters())
 
 
 def give_memory_back(device: torch.device, accelerator) -> None:

@@ -11,9 +11,10 @@ import logging
 
 import torch
 
-from unified.engine.sleep_mode import EngineBusy, Sleep, WakeUp, drop_weights, give_memory_back, restore_weights
+from unified.engine.sleep_mode import (EngineBusy, Sleep, WakeUp, drop_weights, give_memory_back, restore_weights,
+                                       weights_missing)
 from unified.engine.weight_sync import (JoinUpdateGroup, LeaveUpdateGroup, ReceiveWeights, UpdateGroups,
-                                        WeightSyncError, check_join)
+                                        WeightSyncError, check_join, unknown_sizes)
 
 log = logging.getLogger(__name__)
 COMMANDS = (JoinUpdateGroup, ReceiveWeights, LeaveUpdateGroup, Sleep, WakeUp)
@@ -38,7 +39,6 @@ class TrainerLink:
         """Every rank receives the update's tensors from the trainer and writes its part; returns the bytes
         received. All or nothing: a bad name, dtype or shape on any rank leaves every rank's weights
         untouched (WeightSyncError)."""
-        self.check_weights_present()
         return self._drive(spec)
 
     def leave_update_group(self, name: str) -> None:
@@ -83,20 +83,31 @@ class TrainerLink:
             return self.groups.leave(command.group_name)
         if isinstance(command, JoinUpdateGroup):
             return self._join(command)
-        problems = self._pooled(*self.groups.stream.problems(command.names, command.dtypes, command.shapes))
+        unknown = unknown_sizes(command)
+        if unknown:  # what to receive is not known: receiving anything could overrun a buffer or never end
+            self.groups.leave(command.group_name)
+            raise WeightSyncError(f"{unknown}; nothing was received and the update group {command.group_name!r} was "
+                                  f"dropped, so the trainer's broadcasts fail instead of waiting: fix the request "
+                                  f"and create the group again")
+        asleep = ["the weights were freed by sleep level 2: wake the engine up first (POST /wake_up), then send "
+                  "them"] if self.sleep_level >= 2 else []
+        problems = self._pooled(*(asleep or self.groups.stream.problems(command.names, command.dtypes, command.shapes)))
         received = self.groups.receive(command, sorted(set(problems)))
         self.engine.weights_changed()
+        if self.weights_missing:  # woken from level 2: generation waits until every weight has come
+            self.weights_missing = bool(self._pooled("missing" if weights_missing(self.engine.model) else None))
         return received
 
     def _join(self, command: JoinUpdateGroup) -> None:
-        error = None
+        error, existed = None, command.group_name in self.groups.groups
         try:
             self.groups.join(command, self.engine.runner.group_rank)
         except WeightSyncError as err:
             error = str(err)
         errors = self._pooled(error)
         if errors:
-            self.groups.leave(command.group_name)
+            if not existed:  # a group of that name that already worked stays
+                self.groups.leave(command.group_name)
             raise WeightSyncError("; ".join(errors))
 
     def _sleep(self, level: int) -> dict[str, int]:

@@ -67,6 +67,19 @@ def check_join(spec: JoinUpdateGroup, engine_ranks: int) -> None:
                               f"rank_offset .. rank_offset + {engine_ranks - 1} must lie within 1 .. world_size - 1")
 
 
+def unknown_sizes(spec: ReceiveWeights) -> str | None:
+    """Why the bytes of an update cannot be known from its request (None: they can)."""
+    if not len(spec.names) == len(spec.dtypes) == len(spec.shapes):
+        return (f"names, dtypes and shapes must be lists of one length; got {len(spec.names)}, {len(spec.dtypes)} "
+                f"and {len(spec.shapes)}")
+    for name, dtype, shape in zip(spec.names, spec.dtypes, spec.shapes):
+        if parse_dtype(dtype) is None:
+            return f"{name}: dtype {dtype!r} is not a torch dtype (such as \"float32\" or \"torch.bfloat16\")"
+        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            return f"{name}: shape {shape!r} is not a list of sizes"
+    return None
+
+
 class UpdateGroups:
     """The update groups one engine rank belongs to, by name."""
 
@@ -120,7 +133,7 @@ class UpdateGroups:
         received = 0
         try:
             for name, dtype, shape in zip(spec.names, spec.dtypes, spec.shapes):
-                dtype = parse_dtype(dtype) or torch.uint8
+                dtype = parse_dtype(dtype)
                 direct = None if problems else self.stream.in_place(name, shape, dtype)
                 buffer = direct if direct is not None else self._buffer(shape, dtype)
                 torch.distributed.broadcast(buffer, group_src=0, group=group)

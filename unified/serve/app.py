@@ -44,6 +44,7 @@ class ServerState:
         self.reloading = asyncio.Lock()  # one weight change at a time (reload, or a trainer's update)
         self.weight_version = "0"  # the served policy's name: a trainer's weight_version, or the update count
         self.sleeping = False  # POST /sleep (recipe=rollout): generation requests get 503 until /wake_up
+        self.sleep_changes = asyncio.Lock()  # one /sleep or /wake_up at a time, each carried through
 
     def require_ready(self, generating: bool = True):
         """The engine loop, once started; for `generating` requests also awake and holding weights."""

@@ -157,21 +157,26 @@ async def sleep(request: Request, level: int = 1):
     if level not in SLEEP_LEVELS:
         return _refused(f"level={level}: sleep levels are 1 (free the KV cache and packed weight copies) and 2 (the "
                         f"weights too)", code="invalid_sleep_level")
-    if server.sleeping:
-        return _ok("already asleep")
-    server.sleeping = True  # from here on generation requests are refused
-    deadline = time.monotonic() + server.limits.shutdown_timeout_s
-    while loop.num_in_flight and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    if loop.num_in_flight:
-        log.warning("going to sleep: ending %d requests still in flight", loop.num_in_flight)
-        loop.cancel_all(ASLEEP)
-    try:
-        freed = await loop.between_steps(lambda: loop.engine.link.sleep(level))
-    except EngineBusy as err:  # a request slipped in before the flag was seen: stay awake
-        server.sleeping = False
-        return _refused(f"could not go to sleep: {err}", status=409, code="busy")
-    server.asleep_since = time.monotonic()
+    async with server.sleep_changes:  # a /wake_up sent while this waits for requests comes after it
+        if server.sleeping:
+            now = loop.engine.link.sleep_level
+            if level > now:
+                return _refused(f"asleep at level {now}; POST /wake_up first to sleep at level {level}", status=409,
+                                code="asleep")
+            return _ok(f"already asleep at level {now}")
+        server.sleeping = True  # from here on generation requests are refused
+        deadline = time.monotonic() + server.limits.shutdown_timeout_s
+        while loop.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if loop.num_in_flight:
+            log.warning("going to sleep: ending %d requests still in flight", loop.num_in_flight)
+            loop.cancel_all(ASLEEP)
+        try:
+            freed = await loop.between_steps(lambda: loop.engine.link.sleep(level))
+        except EngineBusy as err:  # a request slipped in before the flag was seen: stay awake
+            server.sleeping = False
+            return _refused(f"could not go to sleep: {err}", status=409, code="busy")
+        server.asleep_since = time.monotonic()
     log.info("asleep at level %d: freed %s", level, freed)
     return _ok(f"asleep at level {level}", freed=freed)
 
@@ -180,11 +185,12 @@ async def sleep(request: Request, level: int = 1):
 async def wake_up(request: Request):
     server = request.app.state.server
     loop = server.require_ready(generating=False)
-    if not server.sleeping:
-        return _ok("already awake")
-    await loop.between_steps(loop.engine.link.wake_up)
-    server.metrics.asleep_seconds.inc(time.monotonic() - server.asleep_since)
-    server.sleeping = False
+    async with server.sleep_changes:
+        if not server.sleeping:
+            return _ok("already awake")
+        await loop.between_steps(loop.engine.link.wake_up)
+        server.metrics.asleep_seconds.inc(time.monotonic() - server.asleep_since)
+        server.sleeping = False
     return _ok("awake" + ("; send the weights before generating (sleep level 2 freed them)"
                           if loop.engine.link.weights_missing else ""))
 
