@@ -50,7 +50,7 @@ def test_a_template_takes_tools_only_when_it_renders_them():
 
 
 def test_best_of_keeps_the_samples_of_highest_mean_logprob_and_json_safe_logprobs():
-    body = SimpleNamespace(n=2, logprobs=None, return_token_ids=False)
+    body = SimpleNamespace(n=2, logprobs=None, return_token_ids=False, prompt_logprobs=None, scores_only=False)
     fmt = CompletionFormat(body, "tiny", echoes=None)
     final = RequestOutput("r", [1, 2], [_output(0, [-3.0, -3.0]), _output(1, [-0.5]), _output(2, [-1.0, -2.0])], True)
     response = fmt.response([final], _Tokenizer())
@@ -58,7 +58,8 @@ def test_best_of_keeps_the_samples_of_highest_mean_logprob_and_json_safe_logprob
     assert [c["index"] for c in response["choices"]] == [0, 1]
     assert all(c["logprobs"] is None for c in response["choices"])  # used for ranking, not asked for
     assert response["usage"]["completion_tokens"] == 5  # every sample generated counts
-    chat = ChatFormat(SimpleNamespace(n=1, logprobs=True, return_token_ids=False), "tiny", parses_tool_calls=False)
+    chat = ChatFormat(SimpleNamespace(n=1, logprobs=True, return_token_ids=False, prompt_logprobs=None), "tiny",
+                      parses_tool_calls=False)
     choice = chat.response([RequestOutput("r", [1], [_output(0, [float("-inf")])], True)], _Tokenizer())["choices"][0]
     json.dumps(choice, allow_nan=False)
     assert choice["logprobs"]["content"][0]["logprob"] == LOGPROB_FLOOR
@@ -85,7 +86,8 @@ def test_a_stream_whose_own_text_fails_ends_with_an_error_event():
         loop = _Loop([Update([Delta(0, [5], None, False)]), Update([Delta(0, [6], None, False)])])
         group = _Group(loop, ["r"])
         await group.submit("r", [1], None, None)
-        fmt = CompletionFormat(SimpleNamespace(n=1, logprobs=None, return_token_ids=False), "tiny", echoes=None)
+        body = SimpleNamespace(n=1, logprobs=None, return_token_ids=False, prompt_logprobs=None, scores_only=False)
+        fmt = CompletionFormat(body, "tiny", echoes=None)
         metrics = SimpleNamespace(ttft=SimpleNamespace(observe=lambda s: None),
                                   tpot=SimpleNamespace(observe=lambda s: None),
                                   finished=SimpleNamespace(labels=lambda r: SimpleNamespace(inc=lambda: None)))

@@ -54,6 +54,37 @@ def test_completion_and_stream(client, server):
     assert echoed == "The weather today is" + whole.choices[0].text
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_do(client, server):
+    """lm-evaluation-harness's loglikelihood: echo, logprobs, max_tokens 0 (or 1), offsets into the returned text."""
+    prompt = "The capital of France is Paris"
+    scored = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                       temperature=0)
+    choice, logprobs = scored.choices[0], scored.choices[0].logprobs
+    assert choice.text == prompt and scored.usage.completion_tokens == 0
+    assert "".join(logprobs.tokens) == prompt and len(logprobs.tokens) == scored.usage.prompt_tokens
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:]) and all(len(t) >= 1 for t in logprobs.top_logprobs[1:])
+    assert all(prompt[at:].startswith(token) for at, token in zip(logprobs.text_offset, logprobs.tokens))
+    generated = client.completions.create(model=server.model_name, prompt=prompt, max_tokens=3, echo=True, logprobs=1,
+                                          temperature=0, extra_body={"ignore_eos": True}).choices[0]
+    both = generated.logprobs
+    assert generated.text.startswith(prompt) and "".join(both.tokens) == generated.text
+    assert len(both.tokens) == len(logprobs.tokens) + 3
+    assert all(math.isclose(a, b, abs_tol=1e-5) for a, b in zip(both.token_logprobs[1:], logprobs.token_logprobs[1:]))
+    assert all(generated.text[at:].startswith(token) for at, token in zip(both.text_offset, both.tokens))
+    with pytest.raises(BadRequestError, match="max_tokens=0 generates nothing"):
+        client.completions.create(model=server.model_name, prompt=prompt, max_tokens=0)
+
+
+def test_a_completion_without_max_tokens_is_capped_by_the_context_left(client, server):
+    context = client.models.retrieve(server.model_name).model_extra["max_model_len"]
+    answer = client.completions.create(model=server.model_name, prompt=[7] * (context - 1), temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert answer.usage.completion_tokens == 1 and answer.choices[0].finish_reason == "length"
+    assert client.completions.create(model=server.model_name, prompt="Hi", temperature=0,
+                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 16  # OpenAI's default
+
+
 def test_chat_logprobs(client, server):
     response = client.chat.completions.create(model=server.model_name, messages=MESSAGES, max_tokens=6,
                                               temperature=0, logprobs=True, top_logprobs=3,

@@ -25,11 +25,11 @@ def _logprob(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
-def usage(finals: list[RequestOutput]) -> dict:
+def usage(finals: list[RequestOutput], completions: bool = True) -> dict:
     """Prompt tokens count each image's placeholder tokens, as the model saw them; completion tokens count
-    every sample generated (best_of included)."""
+    every sample generated (best_of included), none where the answer drops them (`completions` False)."""
     prompt_tokens = sum(len(f.prompt_token_ids) for f in finals)
-    completion = sum(len(o.token_ids) for f in finals for o in f.outputs)
+    completion = sum(len(o.token_ids) for f in finals for o in f.outputs) if completions else 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": sum(f.num_cached_tokens for f in finals)}}
 
@@ -82,10 +82,11 @@ class ResponseFormat:
         return outputs
 
     def response(self, finals: list[RequestOutput], tokenizer) -> dict:
-        choices = [self._with_token_ids(self.choice(p * self.n + i, output, tokenizer), final, output, tokenizer)
+        choices = [self._with_token_ids(self.choice(p * self.n + i, output, tokenizer, final), final, output,
+                                        tokenizer)
                    for p, final in enumerate(finals) for i, output in enumerate(self.best(final))]
         answer = {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
-                  "choices": choices, "usage": usage(finals), "system_fingerprint": None}
+                  "choices": choices, "usage": usage(finals, self.returns_completions), "system_fingerprint": None}
         if len(finals) == 1:  # chat's one prompt: what vLLM's chat answer carries at the top
             if self.body.return_token_ids:
                 answer["prompt_token_ids"] = list(finals[0].prompt_token_ids)
@@ -96,9 +97,11 @@ class ResponseFormat:
     def _with_token_ids(self, choice: dict, final: RequestOutput, output: CompletionOutput, tokenizer) -> dict:
         if self.body.return_token_ids:
             choice.update(prompt_token_ids=list(final.prompt_token_ids), token_ids=list(output.token_ids))
-        if final.prompt_logprobs is not None and self.object == "text_completion":  # chat: at the top
+        if self.body.prompt_logprobs is not None and self.object == "text_completion":  # chat: at the top
             choice["prompt_logprobs"] = _prompt_logprobs(final.prompt_logprobs, tokenizer)
         return choice
+
+    returns_completions = True  # False: the generated tokens are dropped (completions' scores_only)
 
     def _logprobs_of(self, output: CompletionOutput, tokenizer):
         return self.logprobs(output.logprobs, tokenizer) if self.wants_logprobs and output.logprobs is not None else None
@@ -134,7 +137,7 @@ class ChatFormat(ResponseFormat):
             return {"content": content}, finish_reason
         return {"content": content, "tool_calls": calls}, "tool_calls"
 
-    def choice(self, index: int, output: CompletionOutput, tokenizer) -> dict:
+    def choice(self, index: int, output: CompletionOutput, tokenizer, final: RequestOutput | None = None) -> dict:
         message, finish_reason = self._message(output.text, output.finish_reason)
         return {"index": index, "message": {"role": "assistant", **message},
                 "logprobs": self._logprobs_of(output, tokenizer), "finish_reason": finish_reason}
@@ -163,23 +166,35 @@ class CompletionFormat(ResponseFormat):
         """`echoes`: each prompt's text, sent before its choices' text when the client asked for echo."""
         super().__init__(body, model, body.n, body.logprobs is not None)
         self.echoes = echoes
+        self.returns_completions = not body.scores_only
 
     def _echo(self, index: int) -> str:
         return self.echoes[index // self.n] if self.echoes else ""
 
-    def logprobs(self, entries: list[TokenLogprob], tokenizer) -> dict:
-        tokens = [_token_text(tokenizer, e.token_id) for e in entries]
+    def logprobs(self, entries: list[TokenLogprob | None], tokenizer, token_ids: list[int] | None = None) -> dict:
+        """OpenAI's legacy shape; `token_ids` name the tokens of entries that are None (an echoed prompt's first,
+        which has no logprob). Offsets count characters of the tokens' texts from the first."""
+        ids = [e.token_id if e is not None else token_ids[i] for i, e in enumerate(entries)]
+        tokens = [_token_text(tokenizer, t) for t in ids]
         offsets, at = [], 0
         for token in tokens:
             offsets.append(at)
             at += len(token)
-        return {"tokens": tokens, "token_logprobs": [_logprob(e.logprob) for e in entries],
-                "top_logprobs": [{_token_text(tokenizer, t): _logprob(lp) for t, lp in e.top} for e in entries],
+        return {"tokens": tokens, "token_logprobs": [None if e is None else _logprob(e.logprob) for e in entries],
+                "top_logprobs": [None if e is None else {_token_text(tokenizer, t): _logprob(lp) for t, lp in e.top}
+                                 for e in entries],
                 "text_offset": offsets}
 
-    def choice(self, index: int, output: CompletionOutput, tokenizer) -> dict:
-        return {"index": index, "text": self._echo(index) + output.text,
-                "logprobs": self._logprobs_of(output, tokenizer), "finish_reason": output.finish_reason}
+    def choice(self, index: int, output: CompletionOutput, tokenizer, final: RequestOutput | None = None) -> dict:
+        generated = self.returns_completions
+        logprobs = None
+        if self.wants_logprobs and self.echoes and final is not None and final.prompt_logprobs is not None:
+            entries = [*final.prompt_logprobs, *((output.logprobs or []) if generated else [])]
+            logprobs = self.logprobs(entries, tokenizer, list(final.prompt_token_ids))
+        elif self.wants_logprobs and generated:
+            logprobs = self._logprobs_of(output, tokenizer)
+        return {"index": index, "text": self._echo(index) + (output.text if generated else ""), "logprobs": logprobs,
+                "finish_reason": output.finish_reason}
 
     def chunk(self, index: int, text: str, logprobs, finish_reason, first: bool) -> dict:
         return {**self.chunk_base(), "choices": [{"index": index, "text": (self._echo(index) if first else "") + text,

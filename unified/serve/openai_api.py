@@ -145,7 +145,9 @@ def _max_tokens(body, prompt: list[int], limits, context: int, param: str) -> in
                        f"shorten the prompt", param=param, code="context_length_exceeded")
     max_tokens = body.requested_max_tokens()
     if max_tokens is None:
-        return min(limits.default_max_tokens, context - len(prompt))
+        return min(body.default_max_tokens(limits.default_max_tokens), context - len(prompt))
+    if max_tokens == 0:  # echo, scoring the prompt: one token is generated and not returned
+        return 1
     if max_tokens > limits.max_tokens:
         raise APIError(f"max_tokens={max_tokens} is more than this server allows ({limits.max_tokens}, "
                        f"serve.max_tokens)", param="max_tokens")

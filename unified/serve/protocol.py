@@ -190,13 +190,22 @@ class _Sampling(_Request):
         """Sequences generated per prompt (completions' best_of may ask for more than the n returned)."""
         return self.n
 
+    def engine_prompt_logprobs(self) -> int | None:
+        """The top k the engine computes for each prompt token (None: none)."""
+        return self.prompt_logprobs
+
+    def default_max_tokens(self, server_default: int) -> int:
+        """max_tokens when the client sends none (capped by the context the prompt leaves)."""
+        return server_default
+
     def sampling_params(self, max_tokens: int, logprobs: int | None, n: int | None = None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         params = SamplingParams(n=n or self.n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                                 min_p=self.min_p, repetition_penalty=self.repetition_penalty,
                                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                                 seed=self.seed, max_tokens=max_tokens, stop=stop, stop_token_ids=self.stop_token_ids,
-                                ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs)
+                                ignore_eos=self.ignore_eos, logprobs=logprobs,
+                                prompt_logprobs=self.engine_prompt_logprobs())
         params.validate()
         return params
 
@@ -236,7 +245,8 @@ class CompletionRequest(_Sampling):
     # The handler checks token ids against the vocabulary, which it knows.
     prompt: str | list[str] | list[PromptTokenId] | list[list[PromptTokenId]] = Field(
         description="text, token ids, or a batch of either (each prompt gets its own n choices)")
-    max_tokens: Int | None = Field(16, ge=1)
+    max_tokens: Int | None = Field(None, ge=0, description="16 by default (OpenAI's), capped by the context the "
+                                   "prompt leaves; 0 with echo scores the prompt alone")
     logprobs: Int | None = Field(None, ge=0, le=20)
     echo: bool = False
     best_of: Int | None = Field(None, ge=1, description="samples per prompt; the n with the highest mean "
@@ -252,8 +262,27 @@ class CompletionRequest(_Sampling):
     def samples(self) -> int:
         return self.best_of or self.n
 
+    def engine_prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:  # the echoed prompt's tokens come with their logprobs
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
+    def default_max_tokens(self, server_default: int) -> int:
+        return 16
+
+    @property
+    def scores_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, as lm-evaluation-harness scores text."""
+        return self.echo and self.max_tokens == 0
+
     def check_supported(self) -> None:
         super().check_supported()
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidRequest("max_tokens=0 generates nothing; it scores the prompt with echo: true (and "
+                                 "logprobs), else ask for at least one token")
+        if self.stream and self.echo and (self.logprobs is not None or self.max_tokens == 0):
+            raise InvalidRequest("echo with logprobs or max_tokens 0 works without streaming only here; send "
+                                 "stream: false")
         if self.best_of is not None and self.best_of < self.n:
             raise InvalidRequest(f"best_of={self.best_of} must be at least n={self.n}")
         if self.stream and self.samples > self.n:

@@ -122,8 +122,8 @@ class ChatCompletionChunk(_Answer):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None] = Field(description="with echo, the prompt's first token has none")
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
