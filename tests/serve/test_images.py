@@ -195,6 +195,8 @@ BAD = [
      "without its images"),
     ("body over the whole limit", lambda: ask(*[data_url(_noise_png())] * 3), 413, "serve.max_images x"),
     ("more markers than images", lambda: ask(data_url(picture(11)), text="<image> and"), 400, "once per image"),
+    ("a marker and no image", lambda: [{"role": "user", "content": "look: <image> what"}], 400,
+     "no image came with it"),
 ]
 
 

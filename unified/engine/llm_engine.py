@@ -271,6 +271,10 @@ class LLMEngine:
         multimodal = None
         if images is not None and (not isinstance(images, list) or images):
             ids, multimodal = self._with_images(ids, images)
+        elif self.config.vision is not None and self.config.image_token_id in ids:
+            raise InvalidRequest(f"the prompt has {ids.count(self.config.image_token_id)} image placeholder(s) (token "
+                                 f"id {self.config.image_token_id}) but no image came with it; send the image with "
+                                 f"it, or leave the image marker out of text")
         if len(ids) >= self.max_model_len:
             raise InvalidRequest(f"the prompt has {len(ids)} tokens but the model's context is {self.max_model_len}; "
                                  f"shorten the prompt")
