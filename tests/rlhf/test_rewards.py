@@ -38,6 +38,14 @@ def test_a_wrong_result_names_the_function(returned, words):
         score(broken_reward, ["p", "q"], ["a", "b"])
 
 
+def test_a_reward_function_that_raises_is_named():
+    def failing_reward(prompts, completions):
+        raise KeyError("answer")
+
+    with pytest.raises(UserError, match="reward function .*failing_reward raised KeyError: 'answer'"):
+        score(failing_reward, ["p"], ["a"])
+
+
 def test_format_reward_wants_a_tagged_answer():
     assert extract_answer("so <answer> 42 </answer> and <answer>7</answer>") == "7"
     assert format_reward([], ["<answer>12</answer>", "12", "<answer>unclosed"]) == [1.0, 0.0, 0.0]

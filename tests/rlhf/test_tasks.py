@@ -27,7 +27,10 @@ def test_a_task_generates_seeded_chats_and_scores_tagged_answers():
 @pytest.mark.parametrize("lines,words", [(['{"prompt": "a"}', "not json"], ":2: not JSON"),
                                          (['{"question": "a"}'], ':1: each line needs "prompt"'),
                                          (['{"prompt": "a", "x": 1}', '{"prompt": "b"}'], "same task fields"),
-                                         ([], "holds no prompts")])
+                                         ([], "holds no prompts"),
+                                         (['{"prompt": "a"}', '{"prompt": ""}'], ":2: the prompt is empty"),
+                                         (['{"prompt": "a", "completions": 1}'], ":1: the task field.* completions"),
+                                         (['{"prompt": "one\u2028two"}', "oops"], ":2: not JSON")])
 def test_bad_prompt_files_are_named(tmp_path, lines, words):
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(lines))

@@ -39,7 +39,10 @@ def load_reward(path: str) -> RewardFn:
 def score(fn: RewardFn, prompts: list, completions: list[str], fields: dict[str, list] | None = None) -> list[float]:
     """`fn`'s rewards for the completions, checked: as many as completions, each a finite real number."""
     name = getattr(fn, "__qualname__", repr(fn))
-    rewards = fn(prompts, completions, **(fields or {}))
+    try:
+        rewards = fn(prompts, completions, **(fields or {}))
+    except Exception as err:  # the user's code: name it, not our stack
+        raise UserError(f"reward function {name} raised {type(err).__name__}: {err}") from err
     if not isinstance(rewards, (list, tuple)) or len(rewards) != len(completions):
         count = len(rewards) if isinstance(rewards, (list, tuple)) else type(rewards).__name__
         raise UserError(f"reward function {name} returned {count} for {len(completions)} completions; it must "

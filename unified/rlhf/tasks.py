@@ -20,6 +20,9 @@ SYSTEM = ("Solve the problem. Reason briefly if you need to, then give only the 
           "<answer> and </answer>.")
 
 
+RESERVED_FIELDS = {"prompts", "completions"}  # reward(prompts, completions, **task_fields)
+
+
 def read_prompts(path: str | Path) -> list[dict]:
     """Lines of `path` as {"prompt" or "messages", ...task fields}; a bad line is an error naming it."""
     try:
@@ -37,6 +40,12 @@ def read_prompts(path: str | Path) -> list[dict]:
         if not isinstance(record, dict) or not (isinstance(record.get("prompt"), str)
                                                 or isinstance(record.get("messages"), list)):
             raise UserError(f"{path}:{lineno}: each line needs \"prompt\" (text) or \"messages\" (a chat)")
+        if not record.get("prompt", record.get("messages")):
+            raise UserError(f"{path}:{lineno}: the prompt is empty")
+        clash = sorted(RESERVED_FIELDS & set(record))
+        if clash:
+            raise UserError(f"{path}:{lineno}: the task field(s) {', '.join(clash)} would clash with the reward "
+                            f"function's own arguments (prompts, completions); rename them")
         prompts.append(record)
     if not prompts:
         raise UserError(f"{path} holds no prompts")
