@@ -61,7 +61,7 @@ def test_an_external_trainer_updates_the_served_policy(rollout, narrow_chat, tmp
     assert rollout.metric("unified_weight_updates_total") >= 2
 
 
-def test_bad_protocol_use_is_refused_and_the_weights_stay(rollout):
+def test_bad_protocol_use_is_refused_and_the_weights_stay(rollout, narrow_chat):
     before = _greedy(rollout)["choices"][0]["logprobs"]["token_logprobs"]
     url = rollout.base_url
     q = "model.layers.0.self_attn.q_proj.weight"
@@ -103,6 +103,14 @@ def test_bad_protocol_use_is_refused_and_the_weights_stay(rollout):
         assert unknown.status_code == 400 and reason in unknown.json()["message"], unknown.text
         assert "nothing was received" in unknown.json()["message"]
         torch.distributed.destroy_process_group(group)
+    group = _join(url)  # a tied head is taken and said to be ignored
+    shape = [json.loads((narrow_chat / "config.json").read_text())[k] for k in ("vocab_size", "hidden_size")]
+    thread, result = _post_in_background(url + "/update_weights_from_distributed",
+                                         {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [shape]})
+    torch.distributed.broadcast(torch.zeros(shape), group_src=0, group=group)
+    thread.join()
+    assert result[0][0] == 200 and "lm_head.weight ignored" in result[0][1]["message"], result
+    torch.distributed.destroy_process_group(group)
     assert _greedy(rollout)["choices"][0]["logprobs"]["token_logprobs"] == before
     assert httpx.post(url + "/reset_prefix_cache").json()["success"]
 

@@ -125,7 +125,10 @@ async def update_weights_from_distributed(body: UpdateFromDistributedRequest, re
         count = loop.engine.weights_version
         server.metrics.weight_updated(received, time.perf_counter() - started, count)
         version = server.weights_replaced(str(count) if body.weight_version is None else body.weight_version)
-    return _ok(f"updated {len(body.names)} tensors ({received} bytes)", weight_version=version)
+    tied = [name for name in body.names if name in loop.engine.link.groups.stream.ignored]
+    note = (f"; {', '.join(tied)} ignored: this model's head is its input embeddings (tied), which change only "
+            f"with the embedding tensor" if tied else "")
+    return _ok(f"updated {len(body.names)} tensors ({received} bytes){note}", weight_version=version)
 
 
 @router.post("/destroy_weights_update_group")
