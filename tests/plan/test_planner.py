@@ -64,6 +64,8 @@ def test_a_kv_budget_too_small_for_one_sequence_gets_the_budget_that_holds_one(r
     fix = next(f for f in plan.fixes if f.startswith("engine.kv_cache_bytes="))
     fixed = plan_for(OmegaConf.merge(cfg, OmegaConf.from_dotlist([fix]))).requested
     assert fixed.fits and fixed.sequences == 1
+    impossible = plan_for(run_config("engine.kv_cache_bytes=1000", "plan.cards=2", "parallel.tensor=2"))
+    assert impossible.requested.problems and not any(f.startswith("engine.") for f in impossible.fixes)
 
 
 def test_the_fewest_cards_need_not_be_a_doubling(run_config):

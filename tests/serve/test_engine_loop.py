@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import torch
 
@@ -51,3 +52,22 @@ def test_the_server_records_no_decode_traces(runtime, tiny_checkpoint):
         loop.stop(timeout=10)
     traced = engine.runner.graphs
     assert traced.record_after is None and not traced.traces and traced.steps_seen[1] == 0
+
+
+def test_an_idle_driver_keeps_its_followers_waiting_within_their_timeout(runtime, tiny_checkpoint, monkeypatch):
+    """Followers block in a broadcast until the driver's next step; with no request for the process group's timeout
+    (30 minutes by default) they would fail and take the server down, so an idle driver messages them."""
+    monkeypatch.setattr("unified.serve.async_engine.KEEP_ALIVE_S", 0.0)
+    engine = LLMEngine(load_model(tiny_checkpoint("llama")).model, None, EngineConfig(num_blocks=32, block_size=4),
+                       torch.device("cpu"), torch.float32, accelerator=None)
+    sent = []
+    monkeypatch.setattr(engine.runner, "keep_alive", lambda: sent.append(True))
+    loop = EngineLoop(engine)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(sent) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        loop.stop(timeout=10)
+    assert len(sent) >= 2

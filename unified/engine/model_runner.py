@@ -40,6 +40,10 @@ class ImagesFailed(Exception):
         self.request_ids, self.error = request_ids, error
 
 
+class KeepAlive:
+    """A driver's message that is neither a step nor a command (see `ModelRunner.keep_alive`)."""
+
+
 class ModelRunner:
     def __init__(self, model, device: torch.device, encoder_cache_bytes: int = 0, accelerator=None,
                  prefetch_images: bool | None = None, group=None):
@@ -207,6 +211,8 @@ class ModelRunner:
             torch.distributed.broadcast_object_list(box, src=self.driver, group=self.group)
             if box[0] is None:
                 return
+            if isinstance(box[0], KeepAlive):
+                continue
             if isinstance(box[0], tuple):
                 self._run(*box[0])
             else:
@@ -215,6 +221,12 @@ class ModelRunner:
     def command(self, message) -> None:
         """On the driver, between steps: sends every follower a message that is not a step."""
         torch.distributed.broadcast_object_list([message], src=self.driver, group=self.group)
+
+    def keep_alive(self) -> None:
+        """On an idle driver: a message followers ignore, so that their wait for the next step never outlasts
+        the process group's timeout (30 minutes by default) while no request comes."""
+        if self.distributed:
+            self.command(KeepAlive())
 
     def stop_followers(self) -> None:
         if self.distributed:

@@ -57,23 +57,8 @@ def nearest_fixes(cfg, plan) -> list[str]:
         nearest = min(other_layouts, key=lambda p: (_changes(p, requested), -p.tokens_per_s))
         if nearest is not best:
             fixes.append(nearest.overrides)
-    tries: list[list[str]] = []
-    if plan.mode == "serve":
-        tries += [[f"engine.kv_cache_dtype={kv}"] for kv in ("int8", "int4") if kv != requested.kv_cache_dtype]
-        if requested.kv_tokens >= plan.setting.engine.block_size and requested.short == 0:
-            tries.append([f"plan.context={requested.kv_tokens}", f"engine.max_model_len={requested.kv_tokens}"])
-        if not plan.setting.engine.kv_cache_bytes and not plan.setting.engine.num_blocks:
-            tries.append(["engine.kv_cache_memory_fraction=0.9"])
-        elif plan.setting.engine.kv_cache_bytes and requested.short:
-            tries.append([f"engine.kv_cache_bytes={_kv_budget_that_fits(requested, plan.setting.engine)}"])
-        elif plan.setting.engine.kv_cache_bytes:  # it fits the card but holds no whole sequence
-            tries.append([f"engine.kv_cache_bytes={_kv_budget_for_one_sequence(requested, plan)}"])
-        tries += [[f"plan.weights={w}"] for w in ("fp8", "int4") if w != plan.setting.weights]
-    else:
-        zero3, offload, checkpointing, one_row = TRAINING_SAVERS
-        tries += [[zero3], [zero3, offload], [checkpointing], [one_row], TRAINING_SAVERS]
-    for dotlist in tries:
-        if not requested.problems and _fits_with(cfg, plan, dotlist):
+    for dotlist in _setting_tries(plan):
+        if _fits_with(cfg, plan, dotlist):
             fixes.append(" ".join(dotlist))
     if plan.feasible:
         return fixes
@@ -84,6 +69,26 @@ def nearest_fixes(cfg, plan) -> list[str]:
     else:  # more processes on one host share its memory: only accelerators can hold it
         more = _fewest_cards(cfg, plan, load_hardware(ACCELERATOR), 0, [f"plan.hardware={ACCELERATOR}"])
     return fixes + more
+
+
+def _setting_tries(plan) -> list[list[str]]:
+    """Changes of settings, not of layout or cards, to try on the requested layout (none if it cannot run)."""
+    requested, engine = plan.requested, plan.setting.engine
+    if requested.problems:
+        return []
+    if plan.mode == "train":
+        zero3, offload, checkpointing, one_row = TRAINING_SAVERS
+        return [[zero3], [zero3, offload], [checkpointing], [one_row], TRAINING_SAVERS]
+    tries = [[f"engine.kv_cache_dtype={kv}"] for kv in ("int8", "int4") if kv != requested.kv_cache_dtype]
+    if requested.kv_tokens >= engine.block_size and requested.short == 0:
+        tries.append([f"plan.context={requested.kv_tokens}", f"engine.max_model_len={requested.kv_tokens}"])
+    if not engine.kv_cache_bytes and not engine.num_blocks:
+        tries.append(["engine.kv_cache_memory_fraction=0.9"])
+    elif engine.kv_cache_bytes and requested.short:
+        tries.append([f"engine.kv_cache_bytes={_kv_budget_that_fits(requested, engine)}"])
+    elif engine.kv_cache_bytes:  # it fits the card but holds no whole sequence
+        tries.append([f"engine.kv_cache_bytes={_kv_budget_for_one_sequence(requested, plan)}"])
+    return tries + [[f"plan.weights={w}"] for w in ("fp8", "int4") if w != plan.setting.weights]
 
 
 def _fewest_cards(cfg, plan, hardware, known_miss: int, extra: list[str] = ()) -> list[str]:

@@ -29,6 +29,7 @@ from unified.serve.thread_futures import settle_from_thread
 
 log = logging.getLogger(__name__)
 STATS_INTERVAL_S = 0.25
+KEEP_ALIVE_S = 60.0  # an idle driver messages its followers this often (their waits time out after 30 min)
 
 
 @dataclass
@@ -134,13 +135,18 @@ class EngineLoop:
 
     def _run(self) -> None:
         engine = self.engine
+        busy = time.monotonic()
         while not self._stopping:
             self._drain_inbox()
             if not engine.has_unfinished():
                 self._publish_stats(0, 0.0)
                 self._wake.wait(0.5)
                 self._wake.clear()
+                if time.monotonic() - busy > KEEP_ALIVE_S:  # followers' waits must not time out while idle
+                    engine.runner.keep_alive()
+                    busy = time.monotonic()
                 continue
+            busy = time.monotonic()
             start = time.perf_counter()
             self._ledger.reset()
             try:
