@@ -43,13 +43,16 @@ def test_bad_lines_are_reported_by_number_and_skipped(tokenizer, tmp_path, caplo
     path = tmp_path / "data.jsonl"
     good = {"prompt": "a", "completion": "b"}
     lines = [json.dumps(good), "{not json", json.dumps({"messages": []}), json.dumps([1, 2]), "",
-             json.dumps({"messages": [{"role": "user", "content": "hi"}]}), json.dumps(good)]
-    path.write_text("\n".join(lines) + "\n")
+             json.dumps({"messages": [{"role": "user", "content": "hi"}]}), json.dumps(good),
+             json.dumps({"messages": [{"role": "assistant", "content": "Hello there"}]}),
+             json.dumps({"messages": [{"role": 5, "content": "x"}, {"role": "assistant", "content": "y"}]})]
+    path.write_bytes(("\n".join(lines) + "\n").encode() + b'{"prompt": "bad \xff\xfe", "completion": "ok"}\n')
     with caplog.at_level(logging.WARNING):
         examples = load_examples(path, tokenizer, max_len=64)
     assert len(examples) == 2
-    for lineno in (2, 3, 4, 6):
+    for lineno in (2, 3, 4, 6, 8, 9, 10):
         assert f"data.jsonl:{lineno} skipped" in caplog.text
+    assert "starts with an assistant reply" in caplog.text and "not UTF-8" in caplog.text
     assert "data.jsonl:5" not in caplog.text  # blank lines are not errors
 
 

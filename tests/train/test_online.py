@@ -140,3 +140,23 @@ def test_logged_conversations_with_images_are_left_out(tmp_path):
     log.write_text("".join(json.dumps(r) + "\n" for r in records + feedback))
     accepted, unrated = split_log(log)
     assert [c[0]["content"] for c in accepted] == ["hello"] and [c[0]["content"] for c in unrated] == ["hi"]
+
+
+def test_foreign_log_records_are_read_or_left_out_not_fatal(tmp_path, tiny_chat_checkpoint):
+    """A record without a feedback key is unrated; a conversation the template cannot place replies in is named
+    and left out (before training, so the gate sees the same sets)."""
+    from transformers import AutoTokenizer
+
+    from unified.train.online import _usable, split_log
+
+    record = {"id": "x", "created": 0, "model": "m", "weights_version": 0,
+              "messages": [{"role": "user", "content": "hello"}],
+              "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}]}
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps(record) + "\n")
+    accepted, unrated = split_log(log)
+    assert not accepted and len(unrated) == 1
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_checkpoint)
+    starts_with_reply = [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "so?"},
+                         {"role": "assistant", "content": "yes"}]
+    assert _usable(tokenizer, [unrated[0], starts_with_reply], "held-back") == [unrated[0]]

@@ -129,6 +129,12 @@ def test_a_crash_during_a_save_leaves_the_last_good_checkpoint(tiny_chat_checkpo
     ({"micro_batch_size": 0}, "train.micro_batch_size=0 must be at least 1"),
     ({"trainable": "lm"}, "train.trainable='lm' is unknown"),
     ({"trainable": "projector", "lora": LoraConfig(rank=4)}, "train.trainable=projector and LoRA"),
+    ({"lr": -1e-3}, "train.lr=-0.001 must be at least 0"),
+    ({"lr": float("nan")}, "train.lr=nan must be at least 0"),
+    ({"min_lr_ratio": 5.0}, "train.min_lr_ratio=5.0 must be between 0 and 1"),
+    ({"warmup_steps": -5}, "train.warmup_steps=-5 must be at least 0"),
+    ({"lora": LoraConfig(rank=-2)}, "train.lora.rank=-2 must be at least 0"),
+    ({"lora": LoraConfig(rank=4, alpha=0.0)}, "train.lora.alpha=0.0: LoRA scales"),
 ])
 def test_bad_training_options_get_clear_errors(override, message):
     from unified.config.schema import TrainConfig
@@ -144,4 +150,6 @@ def test_bad_runs_fail_before_loading_with_clear_errors(tiny_chat_checkpoint, da
     assert result.returncode == 2 and "error: training needs data" in result.stderr
     result = run_cli(*_sft_args(tiny_chat_checkpoint, data, tmp_path, 0))
     assert result.returncode == 2 and "error: steps=0 must be at least 1" in result.stderr
+    result = run_cli(*_sft_args(tiny_chat_checkpoint, data, tmp_path, 1), "train.seq_len=0")  # before the probe
+    assert result.returncode == 2 and "error: train.seq_len=0 must be at least 1" in result.stderr
     assert "Traceback" not in result.stderr

@@ -21,6 +21,7 @@ from unified.plan.rank_memory import (DTYPES, Setting, kv_bytes_per_token, serve
 from unified.plan.throughput import decode_tokens_per_s, train_tokens_per_s
 from unified.plan.weight_bytes import packed_rows_multiple, stored_bytes
 from unified.runtime.layout import Layout, layout_problems
+from unified.train.engine import check_train_config
 
 KV_DTYPES = ("auto", "int8", "int4")
 MODES = ("serve", "train")
@@ -97,6 +98,8 @@ def setting_for(cfg, hardware: HardwareConfig, context: int | None = None) -> Se
         "float32" if hardware.kind == "cpu" else "bfloat16")
     if dtype_name not in DTYPES:
         raise UserError(f"device.dtype={dtype_name!r}; choose auto, {', '.join(DTYPES)}")
+    if p.mode == "train":
+        check_train_config(cfg.train)
     if p.mode == "train" and p.weights != "auto":
         raise UserError(f"plan.weights={p.weights} plans quantized weights for serving; training holds them in the "
                         f"compute dtype: use plan.weights=auto with plan.mode=train")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 
 from unified.chat import content_images, flatten_content
 from unified.errors import InvalidRequest, UserError
@@ -58,7 +59,10 @@ class ImageSupport:
 
 
 def _template_ids(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    try:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+    except (TemplateError, ValueError, TypeError) as err:  # the model's own template refused the conversation
+        raise BadLine(f"the model's chat template rejected it: {err}") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -85,6 +89,8 @@ def chat_example(tokenizer, messages: list[dict], images: ImageSupport | None = 
         messages = [{**m, "content": flatten_content(m["content"], marker)} for m in messages]
     except InvalidRequest as err:
         raise BadLine(str(err)) from None
+    if messages[0]["role"] == "assistant":  # no prompt before it: the template cannot place the reply
+        raise BadLine("the conversation starts with an assistant reply; put the user's (or a system) message first")
     ids = _template_ids(tokenizer, messages, generation_prompt=False)
     labels = [IGNORE] * len(ids)
     for turn, message in enumerate(messages):
@@ -150,9 +156,15 @@ def load_examples(path: str | Path, tokenizer, max_len: int, images: ImageSuppor
     if not path.is_file():
         raise UserError(f"data={path} is not a file; give a JSONL file of chat messages or prompt/completion pairs")
     examples, skipped, truncated = [], 0, 0
-    with path.open(encoding="utf-8", errors="replace") as lines:
-        for lineno, line in enumerate(lines, start=1):
-            if not line.strip():
+    with path.open("rb") as lines:  # binary: lines end at b"\n" only, and each is decoded on its own
+        for lineno, raw in enumerate(lines, start=1):
+            if not raw.strip():
+                continue
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                log.warning("%s:%d skipped: not UTF-8 text (%s)", path, lineno, err.reason)
+                skipped += 1
                 continue
             try:
                 example = parse_record(tokenizer, json.loads(line), images)

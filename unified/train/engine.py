@@ -8,6 +8,7 @@ targets in each rank's rows; a curve is then the same on one rank and on many.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -118,6 +119,16 @@ def check_train_config(cfg: TrainConfig) -> None:
     for name in ("micro_batch_size", "gradient_accumulation_steps", "seq_len", "epochs"):
         if getattr(cfg, name) < 1:
             raise UserError(f"train.{name}={getattr(cfg, name)} must be at least 1")
+    for name, low, high in (("lr", 0.0, math.inf), ("max_grad_norm", 0.0, math.inf), ("weight_decay", 0.0, math.inf),
+                            ("min_lr_ratio", 0.0, 1.0), ("warmup_steps", 0, math.inf), ("lora.rank", 0, math.inf),
+                            ("lora.dropout", 0.0, 0.999)):
+        value = functools.reduce(getattr, name.split("."), cfg)
+        if not (math.isfinite(value) and low <= value <= high):
+            raise UserError(f"train.{name}={value} must be "
+                            + (f"between {low:g} and {high:g}" if math.isfinite(high) else f"at least {low:g}"))
+    if cfg.lora.rank > 0 and not cfg.lora.alpha > 0:
+        raise UserError(f"train.lora.alpha={cfg.lora.alpha}: LoRA scales its adapters by alpha / rank, so give a "
+                        f"positive alpha (twice the rank is common)")
 
 
 def resolve_zero_stage(cfg: TrainConfig, dp_size: int) -> int:

@@ -77,8 +77,8 @@ def split_log(path: str | Path) -> tuple[list[list[dict]], list[list[dict]]]:
         log.warning("%s: %d conversations with images left out (the log keeps their hashes, not the pictures)",
                     path, with_images)
         records = [r for r in records if not _has_images(r)]
-    accepted = [_conversation(r) for r in records if (r["feedback"] or {}).get("accepted") is True]
-    unrated = [_conversation(r) for r in records if r["feedback"] is None]
+    accepted = [_conversation(r) for r in records if (r.get("feedback") or {}).get("accepted") is True]
+    unrated = [_conversation(r) for r in records if r.get("feedback") is None]
     return accepted, unrated
 
 
@@ -97,6 +97,22 @@ def _read_heldout(path: str | Path) -> list[list[dict]]:
                             f"assistant reply") from None
         conversations.append(messages)
     return conversations
+
+
+def _usable(tokenizer, conversations: list[list[dict]], kind: str) -> list[list[dict]]:
+    """The conversations the model's chat template can render with their replies located; the others are named
+    and left out of training and of the gate alike."""
+    from unified.train.data import BadLine, chat_example
+
+    kept = []
+    for number, messages in enumerate(conversations, start=1):
+        try:
+            chat_example(tokenizer, messages)
+        except BadLine as err:
+            log.warning("%s conversation %d left out: %s", kind, number, err)
+            continue
+        kept.append(messages)
+    return kept
 
 
 @torch.no_grad()
@@ -157,8 +173,11 @@ def run_online(cfg) -> tuple[GateReport, dict | None]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UserError("online learning trains, gates and swaps from one process; run it without a launcher")
     output = Path(cfg.output)
+    path = resolve_model(cfg.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     accepted, unrated = split_log(cfg.data)
     held_back = _read_heldout(cfg.online.heldout) if cfg.online.heldout else unrated
+    accepted, held_back = _usable(tokenizer, accepted, "accepted"), _usable(tokenizer, held_back, "held-back")
     if not accepted:
         raise UserError(f"{cfg.data} holds no accepted conversations to learn from; rate some with POST /v1/feedback")
     if not held_back:
@@ -172,8 +191,6 @@ def run_online(cfg) -> tuple[GateReport, dict | None]:
     train_cfg = OmegaConf.merge(cfg, {"data": str(data), "output": str(output / "candidate")})
     result = train(train_cfg)
 
-    path = resolve_model(cfg.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
     report = gate(load_model(path).model, load_model(result.output).model, tokenizer, accepted, held_back, cfg.online)
     (output / "gate.json").write_text(json.dumps({**asdict(report), "failures": report.failures}, indent=2) + "\n")
     if report.failures or not cfg.online.server:
