@@ -20,7 +20,7 @@ from unified.plan.rank_memory import (DTYPES, Setting, kv_bytes_per_token, serve
                                       train_breakdown)
 from unified.plan.throughput import decode_tokens_per_s, train_tokens_per_s
 from unified.plan.weight_bytes import packed_rows_multiple, stored_bytes
-from unified.runtime.layout import Layout, layout_problems
+from unified.runtime.layout import Layout, divisors, layout_problems
 from unified.train.engine import check_train_config
 
 KV_DTYPES = ("auto", "int8", "int4")
@@ -180,11 +180,6 @@ def candidates(cards: int, mode: str, kv_dtype: str, moe: bool) -> list[tuple[La
     if mode == "serve":
         out = sorted(out, key=lambda c: c[1] != kv_dtype)  # the requested KV dtype first among equals
     return out
-
-
-def divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]))
 
 
 def search(config: ModelConfig, cards: int, s: Setting, hw: HardwareConfig, kv_dtype: str,

@@ -66,8 +66,13 @@ def layout_problems(layout: Layout, world: int, config=None) -> list[str]:
     return problems
 
 
+def divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n ** 0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
 def valid_layouts(world: int, config=None) -> list[Layout]:
-    sizes = [d for d in range(1, world + 1) if world % d == 0]
+    sizes = divisors(world)
     return [Layout(tp, pp, ep) for tp in sizes for pp in sizes for ep in sizes
             if not layout_problems(Layout(tp, pp, ep), world, config)]
 
